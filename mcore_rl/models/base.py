@@ -1,0 +1,120 @@
+"""Model-family registry: HF config -> Megatron TransformerConfig + layer spec, and the HF<->Megatron adapter.
+
+Why one adapter per family: the same name/layout mapping serves checkpoint conversion, policy initialisation from
+HF weights and weight sync to rollout engines, so a mapping bug shows up everywhere at once and one
+logits-equality test guards all three.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_FAMILIES: dict[str, type[ModelFamily]] = {}
+
+
+def register_family(*architectures: str) -> Callable[[type[ModelFamily]], type[ModelFamily]]:
+    def deco(cls: type[ModelFamily]) -> type[ModelFamily]:
+        for arch in architectures:
+            _FAMILIES[arch] = cls
+        cls.architectures = tuple(architectures)
+        return cls
+
+    return deco
+
+
+def supported_architectures() -> list[str]:
+    _import_families()
+    return sorted(_FAMILIES)
+
+
+def _import_families() -> None:
+    from mcore_rl.models import llama, qwen  # noqa: F401  (registration side effects)
+
+
+@dataclass
+class ModelArgs:
+    """Architecture facts read from an HF config, in our own names (one place for HF key spellings)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling_factor: float | None = None  # llama3-style scaling factor, None = plain RoPE
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def read_hf_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict)
+    p = Path(path_or_dict)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"HF config not found: {p} (expected an HF model folder with config.json)")
+    return json.loads(p.read_text())
+
+
+def family_for(hf_config: dict[str, Any]) -> ModelFamily:
+    _import_families()
+    archs = hf_config.get("architectures") or []
+    if not archs and hf_config.get("model_type") in {"llama", "qwen2", "qwen3"}:
+        archs = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+            hf_config["model_type"]]]
+    for arch in archs:
+        if arch in _FAMILIES:
+            return _FAMILIES[arch]()
+    raise ValueError(
+        f"unsupported architecture {archs or hf_config.get('model_type')!r}; supported: "
+        f"{', '.join(supported_architectures())}"
+    )
+
+
+class ModelFamily:
+    """Base family: subclasses declare which HF features they have and may override the mapping."""
+
+    architectures: tuple[str, ...] = ()
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def args(self, hf: dict[str, Any]) -> ModelArgs:
+        heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = None
+        if rope.get("rope_type") == "llama3" or rope.get("type") == "llama3":
+            scaling = float(rope["factor"])
+        elif rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"unsupported rope type {rope.get('rope_type')!r} (supported: default, llama3)")
+        return ModelArgs(
+            architecture=(hf.get("architectures") or [self.architectures[0]])[0],
+            num_layers=hf["num_hidden_layers"],
+            hidden_size=hidden,
+            ffn_hidden_size=hf["intermediate_size"],
+            num_attention_heads=heads,
+            num_query_groups=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=self.qkv_bias or bool(hf.get("attention_bias", False)),
+            qk_norm=self.qk_norm,
+            rope_scaling_factor=scaling,
+            hf_config=hf,
+        )

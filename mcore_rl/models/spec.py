@@ -1,0 +1,158 @@
+"""ModelArgs + run settings -> Megatron TransformerConfig and layer spec (TE on GPU when installed, local otherwise)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from mcore_rl.models.base import ModelArgs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+@dataclass
+class Fp8Config:
+    """FP8 training (Transformer Engine only). Mapped 1:1 onto TransformerConfig's fp8_* fields."""
+
+    enabled: bool = False
+    format: str = "hybrid"  # hybrid (e4m3 fwd / e5m2 bwd) | e4m3
+    recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"  # max | most_recent
+    margin: int = 0
+    fp8_param: bool = False  # keep parameters in FP8 (saves memory, needs TE)
+
+
+@dataclass
+class BuildConfig:
+    """How to build the policy network, independent of which HF family it came from."""
+
+    dtype: str = "fp32"  # fp32 | bf16 | fp16
+    transformer_impl: str = "auto"  # auto (TE if importable and CUDA) | local | transformer_engine
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    init_std: float = 0.02
+    recompute_activations: bool = False
+
+
+def te_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_impl(build: BuildConfig) -> str:
+    """Pick the layer implementation and fail fast, in one line, on settings that cannot work."""
+    impl = build.transformer_impl
+    if impl not in ("auto", "local", "transformer_engine"):
+        raise ValueError(f"model.transformer_impl={impl!r}: expected auto, local or transformer_engine")
+    if impl == "auto":
+        impl = "transformer_engine" if te_available() else "local"
+    if impl == "transformer_engine" and not te_available():
+        raise RuntimeError(
+            "model.transformer_impl=transformer_engine needs Transformer Engine and CUDA "
+            "(pip install 'mcore-rl[gpu]' on a GPU machine); use transformer_impl=local on CPU"
+        )
+    if build.fp8.enabled and impl != "transformer_engine":
+        raise RuntimeError(
+            "model.fp8.enabled=true needs Transformer Engine (FP8 GEMMs exist only in TE); "
+            "install mcore-rl[gpu] on a GPU machine or set model.fp8.enabled=false"
+        )
+    return impl
+
+
+def validate_parallel(a: ModelArgs, tp: int, pp: int, world_size: int | None = None) -> None:
+    """Divisibility checks with the numbers in the message, before any heavy work."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
+    if a.num_attention_heads % tp:
+        raise ValueError(f"parallel.tp={tp} does not divide num_attention_heads={a.num_attention_heads}")
+    if a.num_query_groups % tp:
+        raise ValueError(f"parallel.tp={tp} does not divide num_query_groups (KV heads)={a.num_query_groups}")
+    if a.num_layers % pp:
+        raise ValueError(f"parallel.pp={pp} does not divide num_layers={a.num_layers}")
+    if world_size is not None and world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp={tp}*{pp}={tp * pp}")
+
+
+def fp8_fields(fp8: Fp8Config) -> dict:
+    if not fp8.enabled:
+        return {"fp8": None}
+    if fp8.format not in FP8_FORMATS:
+        raise ValueError(f"model.fp8.format={fp8.format!r}: expected one of {FP8_FORMATS}")
+    if fp8.recipe not in FP8_RECIPES:
+        raise ValueError(f"model.fp8.recipe={fp8.recipe!r}: expected one of {FP8_RECIPES}")
+    if fp8.amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"model.fp8.amax_compute_algo={fp8.amax_compute_algo!r}: expected max or most_recent")
+    return {
+        "fp8": fp8.format,
+        "fp8_recipe": fp8.recipe,
+        "fp8_amax_history_len": fp8.amax_history_len,
+        "fp8_amax_compute_algo": fp8.amax_compute_algo,
+        "fp8_margin": fp8.margin,
+        "fp8_param": fp8.fp8_param,
+    }
+
+
+def transformer_config_kwargs(a: ModelArgs, build: BuildConfig) -> dict:
+    """Keyword arguments for megatron.core TransformerConfig (kept as a dict so it is testable without Megatron)."""
+    if build.dtype not in DTYPES:
+        raise ValueError(f"model.dtype={build.dtype!r}: expected one of {sorted(DTYPES)}")
+    dtype = DTYPES[build.dtype]
+    kw = dict(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups,
+        kv_channels=a.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=a.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=a.qkv_bias,
+        qk_layernorm=a.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=build.init_std,
+        # fusions are CUDA kernels; the unfused paths are exact and run everywhere
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=build.tp,
+        pipeline_model_parallel_size=build.pp,
+        sequence_parallel=build.sequence_parallel and build.tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        # we pre-normalise every micro-batch loss by global denominators; Megatron must not re-average
+        calculate_per_token_loss=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        recompute_granularity="selective" if build.recompute_activations else None,
+    )
+    kw.update(fp8_fields(build.fp8))
+    return kw
+
+
+def layer_spec(a: ModelArgs, impl: str):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if impl == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=a.qk_norm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=a.qk_norm, normalization="RMSNorm")
+
+
+def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:
+    """Megatron shards the vocab across TP: pad rows so every rank has an equal, aligned slice."""
+    step = multiple * tp
+    return ((vocab + step - 1) // step) * step

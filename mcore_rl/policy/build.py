@@ -1,0 +1,135 @@
+"""Build the Megatron GPTModel for this rank's pipeline stage, wrap it in Megatron DDP, make its optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_rl.models.base import ModelArgs
+from mcore_rl.models.spec import (
+    BuildConfig,
+    layer_spec,
+    padded_vocab_size,
+    resolve_impl,
+    transformer_config_kwargs,
+    validate_parallel,
+)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW + LR schedule. Defaults are conservative RL fine-tuning values (ScaleRL: eps 1e-15, wd 0.01)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_style: str = "constant"  # constant | linear | cosine
+    decay_steps: int = 1000
+    use_distributed_optimizer: bool = False
+
+
+def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
+    """Megatron's grad finalisation, minus its division by the token count: our losses arrive pre-normalised."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, None, *args, **kwargs)
+
+
+def build_transformer_config(args: ModelArgs, build: BuildConfig):
+    from megatron.core.transformer import TransformerConfig
+
+    resolve_impl(build)
+    config = TransformerConfig(**transformer_config_kwargs(args, build))
+    config.finalize_model_grads_func = _finalize_without_token_scaling
+    config.variable_seq_lengths = build.pp > 1  # token-budget micro-batches differ in shape; p2p sends shapes
+    return config
+
+
+def build_gpt_model(
+    args: ModelArgs, build: BuildConfig, *, wrap_ddp: bool = True, use_distributed_optimizer: bool = False
+):
+    """GPTModel for this rank's PP stage (TP-sharded), optionally wrapped for mixed precision and DDP."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    validate_parallel(args, build.tp, build.pp, torch.distributed.get_world_size())
+    impl = resolve_impl(build)
+    config = build_transformer_config(args, build)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args, impl),
+        vocab_size=padded_vocab_size(args.vocab_size, build.tp),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=args.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(args.rope_theta),
+        rope_scaling=args.rope_scaling_factor is not None,
+        rope_scaling_factor=args.rope_scaling_factor or 8.0,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    if not wrap_ddp:
+        return model
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(model, build: BuildConfig, optim: OptimConfig):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=build.dtype == "bf16",
+        fp16=build.dtype == "fp16",
+        params_dtype=torch.float32,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(cfg, [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(optim.decay_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def unwrap(model) -> torch.nn.Module:
+    """DDP / Float16Module -> the GPTModel underneath."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

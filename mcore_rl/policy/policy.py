@@ -1,0 +1,104 @@
+"""The trainable policy: a (TP/PP/DP-sharded) Megatron GPTModel + optimizer, with log-prob and train-step APIs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mcore_rl.models.base import ModelArgs, family_for, read_hf_config
+from mcore_rl.models.hf_io import HFReader
+from mcore_rl.models.spec import BuildConfig
+from mcore_rl.policy.build import OptimConfig, build_gpt_model, build_optimizer, unwrap
+from mcore_rl.policy.hf_weights import iter_hf_tensors, load_hf_into_model
+from mcore_rl.policy.step import LossFn, PolicyBatch, run_forward_backward, split_micro_batches
+
+
+@dataclass
+class PolicyConfig:
+    build: BuildConfig = field(default_factory=BuildConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    token_budget: int = 4096  # tokens per micro-batch (rows * padded length)
+
+
+class Policy:
+    def __init__(self, hf_config: dict | str | Path, cfg: PolicyConfig, trainable: bool = True):
+        hf = read_hf_config(hf_config)
+        self.family = family_for(hf)
+        self.args: ModelArgs = self.family.args(hf)
+        self.cfg = cfg
+        self.model = build_gpt_model(
+            self.args, cfg.build, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
+        )
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.optimizer, self.scheduler = build_optimizer(self.model, cfg.build, cfg.optim)
+
+    # ---- weights --------------------------------------------------------------------------------------------
+    @property
+    def gpt(self):
+        return unwrap(self.model)
+
+    def load_hf(self, folder: str | Path) -> int:
+        n = load_hf_into_model(self.model, self.family, self.args, HFReader(folder))
+        self._sync_main_params()
+        return n
+
+    def _sync_main_params(self) -> None:
+        """After writing model params directly, refresh the optimizer's fp32 master copies (bf16/fp16 runs)."""
+        if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+
+    def hf_tensors(self, dst: int = 0):
+        """Full HF-named tensors on global rank `dst` (every rank must iterate)."""
+        return iter_hf_tensors(self.model, self.family, self.args, dst)
+
+    @staticmethod
+    def is_last_stage() -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage()
+
+    # ---- compute --------------------------------------------------------------------------------------------
+    def micro_batches(self, batch: PolicyBatch) -> list[PolicyBatch]:
+        return split_micro_batches(batch, self.cfg.token_budget)
+
+    @torch.no_grad()
+    def logprobs(self, batch: PolicyBatch, temperature: float = 1.0) -> torch.Tensor | None:
+        """Per-token log-probs [N, L] (aligned with tokens; 0 at position 0). None off the last PP stage."""
+        self.model.eval()
+        mbs = self.micro_batches(batch)
+        outs = run_forward_backward(self.model, mbs, self.args.vocab_size, None, temperature)
+        if not self.is_last_stage():
+            return None
+        full = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        row = 0
+        for mb, out in zip(mbs, outs):
+            b, L = mb.tokens.shape
+            full[row:row + b, :L] = out["logp"].float().cpu()
+            row += b
+        return full
+
+    def forward_backward(self, batch: PolicyBatch, loss_fn: LossFn, temperature: float = 1.0,
+                         with_entropy: bool = False) -> list[dict]:
+        """Accumulate gradients of sum(micro-batch losses) (no averaging: losses are pre-normalised)."""
+        self.model.train()
+        return run_forward_backward(self.model, self.micro_batches(batch), self.args.vocab_size, loss_fn,
+                                    temperature, with_entropy)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> dict[str, float]:
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "update_ok": float(bool(ok)), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def train_step(self, batch: PolicyBatch, loss_fn: LossFn, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[list[dict], dict[str, float]]:
+        self.zero_grad()
+        outs = self.forward_backward(batch, loss_fn, temperature, with_entropy)
+        return outs, self.optimizer_step()

@@ -1,0 +1,121 @@
+"""Forward/backward over token-budget micro-batches through Megatron's pipeline schedule.
+
+A `PolicyBatch` holds right-padded sequences; per-token side tensors (advantages, old log-probs, aggregation
+weights, ...) ride along in `extras` and are sliced with the tokens. Right padding + causal attention means pad
+tokens never influence real ones, so no attention mask is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from mcore_rl.policy.logprobs import vocab_parallel_logprobs
+
+
+@dataclass
+class PolicyBatch:
+    tokens: torch.Tensor  # [N, L] int64, right padded
+    loss_mask: torch.Tensor  # [N, L] float: 1 where the token at that position is scored (response tokens)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [N, L] or [N] tensors
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def lengths(self) -> torch.Tensor:
+        """Index of the last scored/real token + 1 per row (trailing padding trimmed per micro-batch)."""
+        real = (self.loss_mask > 0) | (torch.arange(self.tokens.shape[1]) == 0)
+        idx = torch.arange(self.tokens.shape[1]).expand_as(self.tokens)
+        return (torch.where(real, idx, torch.zeros_like(idx)).amax(dim=1) + 1).clamp(min=1)
+
+    def select(self, rows: torch.Tensor | list[int], length: int | None = None) -> PolicyBatch:
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        L = length or self.tokens.shape[1]
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            t = t[rows]
+            return t[:, :L] if t.dim() >= 2 else t
+
+        return PolicyBatch(cut(self.tokens), cut(self.loss_mask), {k: cut(v) for k, v in self.extras.items()})
+
+
+def split_micro_batches(batch: PolicyBatch, token_budget: int, pad_to: int = 8) -> list[PolicyBatch]:
+    """Greedy token-budget packing: consecutive rows while rows * padded_max_len <= budget (at least 1 row)."""
+    lengths = batch.lengths().tolist()
+    out: list[PolicyBatch] = []
+    start = 0
+    while start < len(lengths):
+        end, cur_max = start, 0
+        while end < len(lengths):
+            m = max(cur_max, lengths[end])
+            m_pad = min(-(-m // pad_to) * pad_to, batch.tokens.shape[1])
+            if end > start and (end - start + 1) * m_pad > token_budget:
+                break
+            cur_max, end = m, end + 1
+        L = min(-(-cur_max // pad_to) * pad_to, batch.tokens.shape[1])
+        out.append(batch.select(list(range(start, end)), L))
+        start = end
+    return out
+
+
+# loss callback: (micro-batch, logp [b, L], entropy [b, L] | None) -> (loss, metrics)
+LossFn = Callable[[PolicyBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
+
+
+def _shifted_logprobs(logits: torch.Tensor, mb: PolicyBatch, vocab_size: int, temperature: float,
+                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logp[:, t] = log p(tokens[t] | tokens[<t]); position 0 gets 0 (nothing predicts it)."""
+    targets = mb.tokens[:, 1:]
+    logp, ent = vocab_parallel_logprobs(logits[:, :-1], targets, vocab_size, temperature, with_entropy)
+    zero = logp.new_zeros(logp.shape[0], 1)
+    logp = torch.cat([zero, logp], dim=1)
+    if ent is not None:
+        ent = torch.cat([zero, ent], dim=1)
+    return logp, ent
+
+
+def run_forward_backward(
+    model,
+    micro_batches: list[PolicyBatch],
+    vocab_size: int,
+    loss_fn: LossFn | None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    forward_only: bool = False,
+) -> list[dict]:
+    """One pass of Megatron's schedule (1F1B under PP). Returns per-micro-batch outputs on the last stage.
+
+    With `loss_fn=None` the pass is forward-only and each output holds {"logp": [b, L]}.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(model.parameters()).device
+    it = iter(micro_batches)
+
+    def loss_func(mb: PolicyBatch, logits: torch.Tensor):
+        logp, ent = _shifted_logprobs(logits, mb, vocab_size, temperature, with_entropy)
+        if loss_fn is None:
+            return logits.new_zeros(()), torch.tensor(1), {"logp": logp.detach()}
+        loss, metrics = loss_fn(mb, logp, ent)
+        return loss, torch.tensor(1), metrics
+
+    def forward_step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        mb = PolicyBatch(mb.tokens.to(device), mb.loss_mask.to(device), {k: v.to(device) for k, v in mb.extras.items()})
+        pos = torch.arange(mb.tokens.shape[1], device=device).unsqueeze(0).expand_as(mb.tokens)
+        out = model_chunk(mb.tokens, pos, None)
+        return out, partial(loss_func, mb)
+
+    first = micro_batches[0].tokens.shape
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=it,
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=first[1],
+        micro_batch_size=first[0],
+        forward_only=forward_only or loss_fn is None,
+    )

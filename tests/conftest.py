@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random HF models, torchrun launcher, the real SmolLM2 folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, max_position_embeddings=256,
+              rms_norm_eps=1e-5)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def save_random_hf(folder: Path, config, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    # random init gives tiny logits; widen them so log-prob checks are not trivially near-uniform
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_random_hf(tmp_path_factory.mktemp("tiny_llama"), tiny_llama_config())
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from mcore_rl.models.smollm2 import materialize_smollm2
+
+    try:
+        return materialize_smollm2()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def run_torchrun(nproc: int, script: Path | str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Launch `torchrun --nproc_per_node=nproc script args` (gloo on CPU); fail with its output on error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+           str(script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
