@@ -56,8 +56,13 @@ def save_dist_checkpoint(
     extra_sharded: dict | None = None,
     meta: dict[str, Any] | None = None,
     overwrite: bool = False,
+    rank_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Save model (+ optimizer) shards from every rank into `path`, atomically. Collective call."""
+    """Save model (+ optimizer) shards from every rank into `path`, atomically. Collective call.
+
+    `rank_state`: per-rank extras (RNG states, EWMA shards, ...) saved as `rank_XXXXX.pt` inside the same
+    atomic directory; load them back with `load_rank_state` (weights_only, so keep them to tensors/containers).
+    """
     from megatron.core import dist_checkpointing
 
     final = Path(path)
@@ -77,6 +82,8 @@ def save_dist_checkpoint(
         sharded.update(extra_sharded)
     _use_in_process_results_queue()
     dist_checkpointing.save(sharded, str(tmp))
+    if rank_state is not None:
+        torch.save(rank_state, tmp / f"rank_{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:
         (tmp / COMPLETE).write_text(json.dumps(meta or {}, indent=2, default=str))
@@ -116,3 +123,8 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
     meta["_extra"] = state
     _barrier()
     return meta
+
+
+def load_rank_state(path: str | Path) -> dict[str, Any] | None:
+    f = Path(path) / f"rank_{_rank():05d}.pt"
+    return torch.load(f, weights_only=True) if f.is_file() else None

@@ -1,0 +1,106 @@
+"""Metrics to jsonl + TensorBoard (+ wandb when configured), a progress bar, and PNG curves at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Rank-0 sink. `log(step, metrics)` appends one JSON line and one TensorBoard scalar per metric."""
+
+    def __init__(self, run_dir: str | Path, cfg: Any | None = None, enabled: bool = True, config: dict | None = None):
+        self.dir = Path(run_dir)
+        self.enabled = enabled
+        self.jsonl = self.dir / "metrics.jsonl"
+        self.eval_jsonl = self.dir / "eval.jsonl"
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if cfg is None or cfg.get("tensorboard", True):
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        if cfg is not None and cfg.get("wandb", False):
+            import wandb  # optional dependency
+
+            self._wandb = wandb.init(project=cfg.get("wandb_project", "mcore-rl"), config=config, dir=str(self.dir))
+
+    def _write(self, path: Path, record: dict) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+
+    def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        record = {"step": step, "time": time.time(), **clean}
+        self._write(self.jsonl if kind == "train" else self.eval_jsonl, record)
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(f"{kind}/{k}", v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"{kind}/{k}": v for k, v in clean.items()}, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
+    """Reward / held-out accuracy curves and per-phase time, as one PNG (people look rather than read)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    train, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
+    if not train:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    steps = [r["step"] for r in train]
+    ax = axes[0]
+    if any("reward_mean" in r for r in train):
+        ax.plot(steps, [r.get("reward_mean", float("nan")) for r in train], label="train reward (per step)", alpha=0.6)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r.get("mean_at_k", float("nan")) for r in evals], "o-",
+                label="held-out mean@k")
+        ax.plot([r["step"] for r in evals], [r.get("pass_at_k", float("nan")) for r in evals], "s--",
+                label="held-out pass@k")
+    ax.set_xlabel("optimizer update")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_title("Reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax = axes[1]
+    phases = [k for k in ("time_generate", "time_reward", "time_old_logp", "time_train", "time_sync")
+              if any(k in r for r in train)]
+    bottom = [0.0] * len(train)
+    for k in phases:
+        vals = [r.get(k, 0.0) for r in train]
+        ax.bar(steps, vals, bottom=bottom, label=k.removeprefix("time_"))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xlabel("optimizer update")
+    ax.set_ylabel("seconds")
+    ax.set_title("Time per phase")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(out) if out else run_dir / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

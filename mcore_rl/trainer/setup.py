@@ -1,0 +1,150 @@
+"""Build every component of a run from the composed Hydra config; fail on bad config before any model exists."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from mcore_rl.algorithms import build_algorithm
+from mcore_rl.models.base import family_for, read_hf_config
+from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_parallel
+from mcore_rl.policy.build import OptimConfig
+from mcore_rl.policy.policy import PolicyConfig
+
+
+class ConfigError(ValueError):
+    """A bad setting, reported in one line that names the field."""
+
+
+def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
+    v = OmegaConf.select(cfg, key)
+    if v is None or not isinstance(v, (int, float)) or v < 0 or (v == 0 and not allow_zero):
+        raise ConfigError(f"{key}={v!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Cheap checks with one-line messages; the heavy objects are built only after these pass."""
+    _positive(cfg, "trainer.steps", allow_zero=True)
+    for key in ("trainer.prompts_per_update", "trainer.samples_per_prompt", "trainer.max_new_tokens",
+                "trainer.token_budget", "eval.samples_per_prompt"):
+        _positive(cfg, key)
+    _positive(cfg, "eval.every", allow_zero=True)
+    _positive(cfg, "eval.num_prompts", allow_zero=True)
+    if cfg.trainer.temperature <= 0:
+        raise ConfigError(f"trainer.temperature={cfg.trainer.temperature} must be > 0 for RL sampling")
+    if cfg.trainer.resume not in ("auto", "never"):
+        raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: expected auto or never")
+    if cfg.model.source not in ("smollm2", "hf", "tiny"):
+        raise ConfigError(f"model.source={cfg.model.source!r}: expected smollm2, hf or tiny")
+    try:
+        build_algorithm(OmegaConf.to_container(cfg.algorithm, resolve=True))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+
+
+def build_config(cfg: DictConfig) -> BuildConfig:
+    m = cfg.model
+    return BuildConfig(dtype=m.dtype, transformer_impl=m.transformer_impl, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                       sequence_parallel=cfg.parallel.sequence_parallel, fp8=Fp8Config(**m.fp8),
+                       recompute_activations=m.recompute_activations)
+
+
+def policy_config(cfg: DictConfig) -> PolicyConfig:
+    optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True), decay_steps=max(1, cfg.trainer.steps))
+    return PolicyConfig(build=build_config(cfg), optim=optim, token_budget=cfg.trainer.token_budget)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
+    """A random tiny Llama with the SmolLM2 tokenizer, cached by its config hash (rank 0 writes, atomically)."""
+    from mcore_rl.models.smollm2 import DEFAULT_CACHE, materialize_smollm2
+
+    spec = OmegaConf.to_container(tiny, resolve=True)
+    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    out = (cache or DEFAULT_CACHE) / f"tiny-llama-{key}"
+    if (out / "config.json").is_file():
+        return out
+    if _rank() == 0:
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        src = materialize_smollm2()
+        tok = AutoTokenizer.from_pretrained(src)
+        seed = spec.pop("seed", 0)
+        config = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=True, max_position_embeddings=2048,
+                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, **spec)
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def resolve_model_dir(cfg: DictConfig) -> Path:
+    src = cfg.model.source
+    if src == "hf" or cfg.model.hf_path:
+        p = Path(cfg.model.hf_path)
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.hf_path={p} is not an HF model folder (no config.json)")
+        return p
+    if src == "tiny":
+        return tiny_model_dir(cfg.model.tiny)
+    from mcore_rl.models.smollm2 import materialize_smollm2
+
+    if _rank() == 0:
+        materialize_smollm2()  # rank 0 creates the cache; others wait, then read it
+    if dist.is_initialized():
+        dist.barrier()
+    return materialize_smollm2()
+
+
+def check_model_against_parallel(cfg: DictConfig, model_dir: Path) -> None:
+    hf = read_hf_config(model_dir)
+    try:
+        args = family_for(hf).args(hf)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        validate_parallel(args, cfg.parallel.tp, cfg.parallel.pp, world)
+        resolve_impl(build_config(cfg))
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+@dataclass
+class StopFlag:
+    """Set by SIGUSR1/SIGTERM (Slurm preemption); the loop checkpoints and exits at the next round boundary."""
+
+    requested: bool = False
+    signals: list[int] = field(default_factory=list)
+
+    def install(self) -> None:
+        import signal
+
+        def handler(signum: int, frame: Any) -> None:
+            self.requested = True
+            self.signals.append(signum)
+
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, handler)
+
+    def agreed(self) -> bool:
+        """All ranks stop together if any rank was signalled."""
+        if not dist.is_initialized():
+            return self.requested
+        t = torch.tensor([1.0 if self.requested else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
