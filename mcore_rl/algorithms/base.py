@@ -22,10 +22,20 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from mcore_rl.algorithms.advantages import BATCH_STD_SOURCES, STD_NORMS, AdvantageResult, compute_advantages
-from mcore_rl.algorithms.advantages import overlong_penalty as _overlong_penalty
+from mcore_rl.algorithms.advantages import (
+    BATCH_STD_SOURCES,
+    STD_NORMS,
+    AdvantageResult,
+    compute_advantages,
+    overlong_penalty,
+)
 from mcore_rl.algorithms.aggregation import AGG_MODES, aggregation_weights
-from mcore_rl.algorithms.correction import CorrectionConfig, check_choice, correction_weights, mismatch_metrics
+from mcore_rl.algorithms.correction import (
+    CorrectionConfig,
+    check_choice,
+    correction_weights,
+    mismatch_metrics,
+)
 from mcore_rl.algorithms.ops import k3, masked_mean, to_floats
 from mcore_rl.algorithms.reduce import Reducer, identity_reduce, stack_sums
 
@@ -190,7 +200,7 @@ class Algorithm:
         if c.overlong_buffer_len > 0:
             if lengths is None:
                 raise ValueError(f"algorithm {self.name!r}: overlong_buffer_len > 0 needs response lengths")
-            rewards = rewards.to(torch.float64) + _overlong_penalty(
+            rewards = rewards.to(torch.float64) + overlong_penalty(
                 lengths, c.max_response_len, c.overlong_buffer_len, c.overlong_penalty_factor)
         return compute_advantages(rewards, group_ids, std_norm=c.adv_std_norm, eps=c.adv_eps,
                                   unbiased=c.adv_std_unbiased, filter_zero_variance=c.filter_zero_variance,
@@ -285,3 +295,14 @@ class Algorithm:
     def after_optimizer_step(self, metrics: dict[str, float]) -> StepDecision:
         """Hook after optimizer.step(); the trainer acts on the returned decision."""
         return StepDecision()
+
+    def state_dict(self) -> dict[str, float | int | None]:
+        """Counters that must survive a resume (plain Python values, weights_only-safe)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, float | int | None]) -> None:
+        unknown = set(state) - set(self.state_dict())
+        if unknown:
+            raise ValueError(f"algorithm {self.name!r}: unknown state keys {sorted(unknown)}")
+        for k, v in state.items():
+            setattr(self, k, v)

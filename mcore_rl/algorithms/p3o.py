@@ -50,7 +50,8 @@ def compute_ess(logp: Tensor, behaviour_logp: Tensor, mask: Tensor, reduce: Redu
 @dataclass
 class P3oConfig(AlgorithmConfig):
     name: str = "p3o"
-    schedule: str = "async"
+    schedule: str = "sync"             # the loss is the same sync or async (max_staleness applies to async)
+    updates_per_rollout: int = 4
     max_staleness: int = 2
     old_logp_source: str = "rollout"   # the behaviour policy is the rollout engine's; no recompute
     loss_agg_mode: str = "token-mean"

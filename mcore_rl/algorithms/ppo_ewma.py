@@ -38,7 +38,8 @@ OBJECTIVES = ("decoupled", "original")
 @dataclass
 class PpoEwmaConfig(AlgorithmConfig):
     name: str = "ppo_ewma"
-    schedule: str = "async"
+    schedule: str = "sync"             # the loss is the same sync or async (max_staleness applies to async)
+    updates_per_rollout: int = 4
     max_staleness: int = 2
     old_logp_source: str = "rollout"   # pi_old is replaced by the EWMA proximal policy
     loss_agg_mode: str = "token-mean"
@@ -119,6 +120,9 @@ class PPOEWMA(Algorithm):
     def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         self.last_keep_rate = sums["ti_kept"] / sums["tok_total"] if sums["tok_total"] else 1.0
         return {"ti_keep_rate": self.last_keep_rate}
+
+    def state_dict(self) -> dict[str, float | int | None]:
+        return {"num_resets": self.num_resets, "last_keep_rate": self.last_keep_rate}
 
     def after_optimizer_step(self, metrics: dict[str, float]) -> StepDecision:
         """Ask for an EWMA reset when the Train-Infer keep-rate of the step fell below the floor."""

@@ -61,9 +61,11 @@ def materialize_smollm2(cache_dir: str | Path | None = None, dtype: str = "float
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process (e.g. a second rank) finished first: keep its folder
+            if not (out / "config.json").is_file():
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -62,7 +62,22 @@ class Policy:
 
     # ---- compute --------------------------------------------------------------------------------------------
     def micro_batches(self, batch: PolicyBatch) -> list[PolicyBatch]:
-        return split_micro_batches(batch, self.cfg.token_budget)
+        """Token-budget micro-batches, padded to the same count on every DP rank.
+
+        Losses that all-reduce inside the micro-batch (P3O's ESS) need every DP rank to run the same number of
+        micro-batches; padding micro-batches have an all-zero loss mask and weights, so they contribute nothing.
+        """
+        mbs = split_micro_batches(batch, self.cfg.token_budget)
+        from megatron.core import parallel_state as ps
+
+        if ps.get_data_parallel_world_size() > 1:
+            n = torch.tensor([len(mbs)])
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            while len(mbs) < int(n.item()):
+                pad = mbs[-1].select([0])
+                mbs.append(PolicyBatch(pad.tokens, torch.zeros_like(pad.loss_mask),
+                                       {k: torch.zeros_like(v) for k, v in pad.extras.items()}))
+        return mbs
 
     @torch.no_grad()
     def logprobs(self, batch: PolicyBatch, temperature: float = 1.0) -> torch.Tensor | None:
@@ -76,6 +91,8 @@ class Policy:
         row = 0
         for mb, out in zip(mbs, outs):
             b, L = mb.tokens.shape
+            if row >= len(batch):  # DP padding micro-batch
+                break
             full[row:row + b, :L] = out["logp"].float().cpu()
             row += b
         return full

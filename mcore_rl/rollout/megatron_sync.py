@@ -13,8 +13,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def sync_weights(policy, engine, version: int, mode: str = "tensor", disk_dir: str | Path | None = None,
-                 config_dir: str | Path | None = None, bucket_mb: float = 512.0) -> dict[str, float]:
+def sync_weights(
+    policy,
+    engine,
+    version: int,
+    mode: str = "tensor",
+    disk_dir: str | Path | None = None,
+    config_dir: str | Path | None = None,
+    bucket_mb: float = 512.0,
+) -> dict[str, float]:
     """Collective: every rank calls; only rank 0 talks to the engine. Returns {sync_s, sync_gb}."""
     t0 = time.perf_counter()
     stream = policy.hf_tensors(dst=0)

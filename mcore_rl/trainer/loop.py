@@ -27,6 +27,8 @@ def train(run) -> dict[str, float]:
     """`run` is a trainer.run.Run (everything built). Returns the last metrics."""
     cfg, alg, policy = run.cfg, run.algorithm, run.policy
     steps, last = cfg.trainer.steps, {}
+    if run.update == 0:
+        run.maybe_evaluate(force=True)  # the baseline every later evaluation is compared against
     while run.update < steps and not run.stop.agreed():
         times: dict[str, float] = {}
         n_up = min(run.updates_per_round, steps - run.update)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -48,19 +49,21 @@ class Run:
         if cfg.trainer.deterministic:
             torch.set_num_threads(max(1, torch.get_num_threads()))
             torch.use_deterministic_algorithms(True, warn_only=True)
+        self.model_dir = resolve_model_dir(cfg)
+        check_model_against_parallel(cfg, self.model_dir)
         layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed)
         self.rank, self.dp = layout.rank, layout.dp
         from megatron.core import parallel_state as ps
 
         self.dp_rank = ps.get_data_parallel_rank()
         self.run_dir = Path(_broadcast(str(Path(cfg.run.dir).resolve())))
-        self.model_dir = resolve_model_dir(cfg)
-        check_model_against_parallel(cfg, self.model_dir)
         self.algorithm = build_algorithm(OmegaConf.to_container(cfg.algorithm, resolve=True))
         ac = self.algorithm.config
         self.staged = ac.schedule == "staged"
-        if ac.schedule == "async":
-            raise ValueError("algorithm.schedule=async is not implemented yet; use sync or staged")
+        # async (PipelineRL-k): rank 0 keeps k rounds of generation in flight while the trainer trains; weight
+        # updates land mid-generation and every token records the version that produced it
+        self.async_k = max(1, ac.max_staleness) if ac.schedule == "async" else 0
+        self._pending: deque = deque()
         self.updates_per_round = ac.updates_per_stage if self.staged else ac.updates_per_rollout
         # rank 0: data, rewards, engine, logger (data first: a missing field fails before the model is built)
         self.data = prompt_src.PromptSource(cfg, self.model_dir, self.algorithm) if self.rank == 0 else None
@@ -92,6 +95,7 @@ class Run:
         self.round = 0
         self.version = 0
         self.next_eval = 0
+        self.last_eval: int | None = None
         self._progress = None
         self._resume_or_start()
 
@@ -137,19 +141,30 @@ class Run:
         if self.engine is not None:
             getattr(self.engine, name)()
 
+    def _requests(self, num_updates: int, round_index: int):
+        t = self.cfg.trainer
+        prompts = self.data.next_prompts(num_updates * t.prompts_per_update)
+        base = (self.cfg.seed * 1_000_003 + round_index) * 10_007
+        reqs = [GenerationRequest(prompt_ids=p.prompt_ids, rid=f"r{round_index}-{i}", sampling=SamplingParams(
+            max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p,
+            n=t.samples_per_prompt, seed=base + i, stop_token_ids=self.data.stop_token_ids))
+            for i, p in enumerate(prompts)]
+        return reqs, prompts
+
     def generate(self, num_updates: int):
         """Rank 0 samples `num_updates * prompts_per_update` prompts x G; all ranks get (samples, prompts)."""
         payload = None
-        if self.rank == 0:
-            t = self.cfg.trainer
-            prompts = self.data.next_prompts(num_updates * t.prompts_per_update)
-            base = (self.cfg.seed * 1_000_003 + self.round) * 10_007
-            reqs = [GenerationRequest(prompt_ids=p.prompt_ids, rid=f"r{self.round}-{i}", sampling=SamplingParams(
-                max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p,
-                n=t.samples_per_prompt, seed=base + i, stop_token_ids=self.data.stop_token_ids))
-                for i, p in enumerate(prompts)]
-            samples = self.engine.generate(reqs)
-            payload = (samples, prompts)
+        if self.rank == 0 and not self.async_k:
+            reqs, prompts = self._requests(num_updates, self.round)
+            payload = (self.engine.generate(reqs), prompts)
+        elif self.rank == 0:
+            submitted = self.round + len(self._pending)
+            while len(self._pending) < self.async_k + 1:
+                reqs, prompts = self._requests(num_updates, submitted)
+                self._pending.append((self.engine.submit(reqs), prompts))
+                submitted += 1
+            futures, prompts = self._pending.popleft()
+            payload = ([f.result() for f in futures], prompts)
         self.round += 1
         return _broadcast(payload)
 
@@ -222,9 +237,13 @@ class Run:
                                        loss=f"{metrics.get('loss', 0):.4f}")
 
     def maybe_evaluate(self, force: bool = False) -> None:
+        """Held-out eval before the first update, every `eval.every` updates, and at the end (once per update)."""
         e = self.cfg.eval
-        if e.num_prompts <= 0 or (not force and (e.every <= 0 or self.update < self.next_eval)):
+        if e.num_prompts <= 0 or self.last_eval == self.update:
             return
+        if not force and (e.every <= 0 or self.update < self.next_eval):
+            return
+        self.last_eval = self.update
         if self.rank == 0:
             t0 = time.perf_counter()
             prompts = self.data.eval_prompts()
@@ -270,6 +289,9 @@ class Run:
             if self.cfg.trainer.export_hf:
                 self.export_hf()
         if self.rank == 0:
+            if self._pending:  # async rounds generated ahead that no update will consume
+                self.engine.abort(None)
+                self._pending.clear()
             if self._progress is not None:
                 self._progress.close()
             self.logger.close()

@@ -67,7 +67,7 @@ def _rank() -> int:
 
 
 def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
-    """A random tiny Llama with the SmolLM2 tokenizer, cached by its config hash (rank 0 writes, atomically)."""
+    """A random tiny Llama with the SmolLM2 tokenizer, cached by its config hash (written atomically)."""
     from mcore_rl.models.smollm2 import DEFAULT_CACHE, materialize_smollm2
 
     spec = OmegaConf.to_container(tiny, resolve=True)
@@ -75,23 +75,28 @@ def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
     out = (cache or DEFAULT_CACHE) / f"tiny-llama-{key}"
     if (out / "config.json").is_file():
         return out
-    if _rank() == 0:
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    # every process may race here (before torch.distributed exists): the atomic rename decides the winner
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-        src = materialize_smollm2()
-        tok = AutoTokenizer.from_pretrained(src)
-        seed = spec.pop("seed", 0)
-        config = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=True, max_position_embeddings=2048,
-                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id, **spec)
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+    src = materialize_smollm2()
+    tok = AutoTokenizer.from_pretrained(src)
+    seed = spec.pop("seed", 0)
+    config = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=True, max_position_embeddings=2048,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, **spec)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
         os.replace(tmp, out)
-    if dist.is_initialized():
-        dist.barrier()
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
     return out
 
 
@@ -106,11 +111,7 @@ def resolve_model_dir(cfg: DictConfig) -> Path:
         return tiny_model_dir(cfg.model.tiny)
     from mcore_rl.models.smollm2 import materialize_smollm2
 
-    if _rank() == 0:
-        materialize_smollm2()  # rank 0 creates the cache; others wait, then read it
-    if dist.is_initialized():
-        dist.barrier()
-    return materialize_smollm2()
+    return materialize_smollm2()  # atomic: concurrent ranks race safely
 
 
 def check_model_against_parallel(cfg: DictConfig, model_dir: Path) -> None:

@@ -1,0 +1,117 @@
+"""Local rollout engine vs plain `transformers.generate`, same model, prompts and sampling, side by side.
+
+    python benchmarks/rollout_engine.py [--prompts 16] [--new-tokens 48] [--temperature 0.7] [--repeats 2]
+
+Runs are interleaved (HF, engine, HF, engine, ...) so machine noise hits both alike; prints tokens/s of each
+run, the best of each, and their ratio. Tokens counted: generated tokens up to and including EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def build_prompts(tokenizer, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        a, b = (7 * i + 3) % 21, (5 * i + 11) % 21
+        msg = [{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}]
+        ids = tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def run_hf(model, tokenizer, prompts: list[list[int]], new_tokens: int, temperature: float, eos: int) -> int:
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_p=1.0,
+            top_k=0,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+    count = 0
+    for row in out[:, width:].tolist():
+        count += row.index(eos) + 1 if eos in row else len(row)
+    return count
+
+
+def run_engine(engine, prompts: list[list[int]], new_tokens: int, temperature: float) -> int:
+    from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
+
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=temperature)
+    samples = engine.generate([GenerationRequest(p, sp) for p in prompts])
+    return sum(s.num_output_tokens for s in samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="HF folder (default: materialised SmolLM2-135M-Instruct)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from mcore_rl.rollout.local import LocalEngine
+
+    path = args.model_path
+    if path is None:
+        from mcore_rl.models.smollm2 import materialize_smollm2
+
+        path = str(materialize_smollm2())
+    engine = LocalEngine(path, max_batch_size=max(64, args.prompts))
+    model, tokenizer = engine.model, engine.tokenizer  # same weights for both: one copy in memory
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    prompts = build_prompts(tokenizer, args.prompts)
+    print(
+        f"model={path} prompts={len(prompts)} new_tokens={args.new_tokens} T={args.temperature} "
+        f"threads={torch.get_num_threads()}"
+    )
+
+    # warm-up (allocators, kernels) for both, not timed
+    run_hf(model, tokenizer, prompts[:2], 4, args.temperature, eos)
+    run_engine(engine, prompts[:2], 4, args.temperature)
+
+    rates: dict[str, list[float]] = {"hf_generate": [], "local_engine": []}
+    for r in range(args.repeats):
+        for name in ("hf_generate", "local_engine"):
+            t0 = time.perf_counter()
+            if name == "hf_generate":
+                n = run_hf(model, tokenizer, prompts, args.new_tokens, args.temperature, eos)
+            else:
+                n = run_engine(engine, prompts, args.new_tokens, args.temperature)
+            dt = time.perf_counter() - t0
+            rates[name].append(n / dt)
+            print(f"  run {r} {name:13s} {n:5d} tokens in {dt:6.2f} s = {n / dt:7.1f} tok/s")
+    hf, eng = max(rates["hf_generate"]), max(rates["local_engine"])
+    print(f"hf_generate   best {hf:7.1f} tok/s  (median {statistics.median(rates['hf_generate']):.1f})")
+    print(f"local_engine  best {eng:7.1f} tok/s  (median {statistics.median(rates['local_engine']):.1f})")
+    print(f"ratio local_engine / hf_generate = {eng / hf:.2f}x")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Megatron torch_dist checkpoint (any TP/PP it was saved with) -> HF safetensors folder.
+
+Streams one layer at a time straight from the checkpoint files (no model build, no process group): read the
+layer's global tensors, split each through the family adapter into HF tensors, cast, and hand them to a
+size-bounded shard writer. Memory: one layer plus one output shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore_rl.convert.common import (
+    HF_DTYPE_NAMES,
+    HF_SUBDIR,
+    ConvertError,
+    ckpt_hf_config,
+    dtype_name,
+    parse_dtype,
+    read_ckpt_meta,
+    staged_output,
+)
+from mcore_rl.convert.dist_reader import DistCheckpointReader
+from mcore_rl.convert.shapes import VOCAB_TENSORS, mcore_shape, split_layer
+from mcore_rl.models.base import ModelArgs, ModelFamily, family_for
+from mcore_rl.models.hf_io import copy_side_files, write_hf_shards
+from mcore_rl.models.llama import te_name
+
+Box = tuple[str, tuple[int, ...], tuple[int, ...]]
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def checkpoint_box(reader: DistCheckpointReader, args: ModelArgs, name: str) -> Box:
+    """Where canonical tensor `name` lives in the checkpoint: (key, offsets, sizes), shapes checked."""
+    layer, rest = split_layer(name)
+    want = mcore_shape(args, name)
+    if layer is None:
+        keys = [name]
+    else:  # stacked over layers; local-spec layer norms are stored under Transformer Engine names
+        keys = list(dict.fromkeys(["decoder.layers." + rest, "decoder.layers." + split_layer(te_name(name))[1]]))
+    key = next((k for k in keys if k in reader), None)
+    if key is None:
+        raise ConvertError(f"tensor {name} (checkpoint key {keys[-1]}) missing from checkpoint {reader.path}")
+    got = reader.shapes[key]
+    if layer is not None:
+        if got[1:] != want or got[0] != args.num_layers:
+            raise ConvertError(
+                f"tensor {key}: checkpoint has shape {got}, config implies {(args.num_layers, *want)} "
+                f"(num_layers x {want}); is --hf-config the config of this checkpoint?"
+            )
+        return key, (layer, *([0] * len(want))), (1, *want)
+    ok = got[1:] == want[1:] and got[0] >= want[0] if name in VOCAB_TENSORS else got == want
+    if not ok:  # vocab tensors may carry TP padding rows beyond vocab_size
+        raise ConvertError(
+            f"tensor {key}: checkpoint has shape {got}, config implies {want}; "
+            "is --hf-config the config of this checkpoint?"
+        )
+    return key, (0,) * len(want), want
+
+
+def iter_hf_tensors(reader: DistCheckpointReader, family: ModelFamily, args: ModelArgs,
+                    dtype: torch.dtype, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors, one layer's worth read at a time."""
+    from tqdm import tqdm
+
+    names = family.mcore_names(args)
+    boxes = {n: checkpoint_box(reader, args, n) for n in names}  # validate everything before reading
+    with tqdm(total=len(names), unit="tensor", desc="mcore-to-hf", disable=not progress, file=sys.stderr) as bar:
+        for _, group in groupby(names, key=lambda n: split_layer(n)[0] if split_layer(n)[0] is not None else n):
+            group = list(group)
+            loaded = reader.read({n: boxes[n] for n in group})
+            for n in group:
+                full = loaded.pop(n)
+                if split_layer(n)[0] is not None:
+                    full = full[0]
+                for hf_name, t in family.to_hf(args, n, full):
+                    yield hf_name, t.to(dtype).contiguous()
+                bar.update()
+
+
+def unused_model_keys(reader: DistCheckpointReader, args: ModelArgs, family: ModelFamily) -> list[str]:
+    used = {checkpoint_box(reader, args, n)[0] for n in family.mcore_names(args)}
+    return sorted(k for k in reader.shapes if k.startswith(_MODEL_PREFIXES) and k not in used)
+
+
+def hf_config_for_output(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    out = dict(cfg)
+    keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
+    for k in keys:
+        out[k] = HF_DTYPE_NAMES[dtype]
+    return out
+
+
+def _readable_by_all(folder: Path) -> None:
+    """safetensors creates files 0600; a model folder is meant to be shared like any other output."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
+
+
+def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None = None, dtype: str | None = None,
+                max_shard_bytes: int = 2 << 30, force: bool = False, progress: bool = True) -> Path:
+    """Export; `dtype=None` restores the dtype of the HF model the checkpoint came from (bit-exact round trip)."""
+    ckpt = Path(ckpt).absolute()
+    meta = read_ckpt_meta(ckpt)
+    cfg = ckpt_hf_config(ckpt, hf_config)
+    try:
+        family = family_for(cfg)
+        reader = DistCheckpointReader(ckpt)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConvertError(str(e)) from e
+    args = family.args(cfg)
+    emb_key = checkpoint_box(reader, args, "embedding.word_embeddings.weight")[0]
+    if dtype:
+        out_dtype = parse_dtype(dtype)
+    elif meta.get("hf_dtype"):
+        out_dtype = parse_dtype(meta["hf_dtype"])
+    else:  # a training checkpoint: keep what it stores
+        out_dtype = reader.dtypes[emb_key]
+    dtype_name(out_dtype)  # supported?
+    unused = unused_model_keys(reader, args, family)
+    if unused:
+        print(f"warning: checkpoint tensors not exported: {', '.join(unused[:8])}", file=sys.stderr)
+    side_src = Path(hf_config) if hf_config is not None else ckpt / HF_SUBDIR
+    if side_src.is_file():
+        side_src = side_src.parent
+    with staged_output(out, force) as stage:
+        stage.mkdir()
+        write_hf_shards(iter_hf_tensors(reader, family, args, out_dtype, progress), stage, max_shard_bytes)
+        if side_src.is_dir():
+            copy_side_files(side_src, stage)
+        (stage / "config.json").write_text(json.dumps(hf_config_for_output(cfg, out_dtype), indent=2) + "\n")
+        _readable_by_all(stage)
+    return Path(out).absolute()

@@ -1,0 +1,92 @@
+"""Build this rank's Megatron GPTModel for conversion / verification, and run a plain logits forward on it.
+
+Both users overwrite every parameter right after building (from HF weights or a checkpoint), so Megatron's random
+initialisation -- most of the build time on CPU -- is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from mcore_rl.models.base import ModelArgs
+
+
+def _keep_uninitialised(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@contextmanager
+def without_random_init() -> Iterator[None]:
+    """Build with no-op init methods (not perform_initialization=False: on CPU that also skips setting the
+    tensor-parallel attributes that weight loading relies on).
+
+    Stopgap: BuildConfig has no switch for it yet, so the kwargs builder seen by `policy.build` is wrapped for the
+    duration of one build (conversion processes only).
+    """
+    from mcore_rl.policy import build
+
+    original = build.transformer_config_kwargs
+
+    def kwargs(args, cfg):
+        noop = dict.fromkeys(("init_method", "output_layer_init_method", "embedding_init_method"),
+                             _keep_uninitialised)
+        return {**original(args, cfg), **noop}
+
+    build.transformer_config_kwargs = kwargs
+    try:
+        yield
+    finally:
+        build.transformer_config_kwargs = original
+
+
+def build_model(args: ModelArgs, tp: int, pp: int, dtype: str):
+    """Unwrapped (no DDP, no grad buffers) GPTModel shard for this rank, uninitialised."""
+    from mcore_rl.models.spec import BuildConfig
+    from mcore_rl.policy.build import build_gpt_model
+
+    # local spec: same checkpoint keys as Transformer Engine's, and it runs on any machine
+    cfg = BuildConfig(dtype=dtype, tp=tp, pp=pp, transformer_impl="local")
+    with without_random_init():
+        return build_gpt_model(args, cfg, wrap_ddp=False)
+
+
+@torch.no_grad()
+def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Full-vocab logits [b, s, vocab_size] (fp32) on the last pipeline stage, None elsewhere."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mcore_rl.policy.build import unwrap
+
+    unwrap(model).eval()
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+
+    def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., :vocab_size].float().cpu()  # drop TP vocab padding rows
+
+    def loss_func(logits: torch.Tensor):
+        return logits.new_zeros(()), torch.tensor(1), {"logits": gather_vocab(logits)}
+
+    def forward_step(data_iterator, chunk):
+        return chunk(next(data_iterator), positions, None), loss_func
+
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([tokens]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=tokens.shape[1],
+        micro_batch_size=tokens.shape[0],
+        forward_only=True,
+    )
+    return out[0]["logits"] if ps.is_pipeline_last_stage() else None

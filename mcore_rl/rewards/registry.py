@@ -1,0 +1,112 @@
+"""Reward registry: `build_reward(cfg)` turns the Hydra `reward` group into a RewardFn.
+
+`cfg.name` is one registered name or several joined by "+" (e.g. "math_verify+format"); each part reads its
+options from the section of the same name and is weighted by `cfg.weights[part]` (default 1.0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mcore_rl.rewards.base import RewardFn, RewardResult, check_lengths
+from mcore_rl.rewards.format_reward import FormatConfig, FormatReward
+from mcore_rl.rewards.verifier import MathVerifyConfig, MathVerifyReward
+
+REWARDS: dict[str, Callable[[dict[str, Any]], RewardFn]] = {}
+
+
+def register_reward(name: str) -> Callable:
+    def deco(builder: Callable[[dict[str, Any]], RewardFn]) -> Callable[[dict[str, Any]], RewardFn]:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} registered twice")
+        REWARDS[name] = builder
+        return builder
+
+    return deco
+
+
+def config_from_dict(cls: type, options: Mapping[str, Any], where: str) -> Any:
+    """Build a config dataclass, naming the offending key and the valid ones on a typo."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
+    return cls(**options)
+
+
+@register_reward("math_verify")
+def _build_math_verify(options: dict[str, Any]) -> RewardFn:
+    return MathVerifyReward(config_from_dict(MathVerifyConfig, options, "reward.math_verify"))
+
+
+@register_reward("format")
+def _build_format(options: dict[str, Any]) -> RewardFn:
+    return FormatReward(config_from_dict(FormatConfig, options, "reward.format"))
+
+
+class CombinedReward:
+    """Weighted sum of parts. `correct` comes from the parts that judge correctness (any of them)."""
+
+    def __init__(self, parts: list[tuple[str, RewardFn, float]]):
+        self.parts = parts
+
+    def score(self, responses: list[str], answers: list[str]) -> list[RewardResult]:
+        check_lengths(responses, answers)
+        per_part = [(name, fn.score(responses, answers), w) for name, fn, w in self.parts]
+        out = []
+        for i in range(len(responses)):
+            rs = [(name, res[i], w) for name, res, w in per_part]
+            out.append(RewardResult(
+                score=sum(w * r.score for _, r, w in rs),
+                correct=any(r.correct for _, r, _ in rs),
+                reason=",".join(f"{name}={r.reason}" for name, r, _ in rs),
+                extracted=next((r.extracted for _, r, _ in rs if r.extracted is not None), None),
+                latency_s=max(r.latency_s for _, r, _ in rs),
+            ))
+        return out
+
+    def close(self) -> None:
+        for _, fn, _ in self.parts:
+            fn.close()
+
+
+def _plain(cfg: Any) -> dict[str, Any]:
+    if cfg is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return dict(cfg)
+
+
+def build_reward(cfg: Mapping[str, Any] | Any) -> RewardFn:
+    """From `{name: "math_verify+format", weights: {...}, math_verify: {...}, format: {...}}`."""
+    cfg = _plain(cfg)
+    name = cfg.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"reward.name must be a non-empty string like 'math_verify'; got {name!r}")
+    names = [n.strip() for n in name.split("+")]
+    for n in names:
+        if n not in REWARDS:
+            raise ValueError(f"reward.name: unknown reward {n!r}; registered: {sorted(REWARDS)}")
+    weights = dict(cfg.get("weights") or {})
+    stray = sorted(set(cfg) - {"name", "weights"} - set(REWARDS)) + sorted(set(weights) - set(names))
+    if stray:
+        raise ValueError(f"reward: unexpected key(s) {stray} for reward.name={name!r}")
+    if len(names) == 1 and weights.get(names[0], 1.0) == 1.0:
+        return REWARDS[names[0]](dict(cfg.get(names[0]) or {}))
+    parts: list[tuple[str, RewardFn, float]] = []
+    try:
+        for n in names:
+            parts.append((n, REWARDS[n](dict(cfg.get(n) or {})), float(weights.get(n, 1.0))))
+    except Exception:
+        for _, fn, _ in parts:
+            fn.close()
+        raise
+    return CombinedReward(parts)

@@ -1,0 +1,111 @@
+"""The math-verify worker process: extraction + parse + verify for one case at a time.
+
+Why a process: math-verify/sympy can hang inside C code (`9**9**9`), which no in-process timeout can stop,
+and its own timeouts use signal.alarm, which raises in threads. So math-verify runs here with its timeouts
+off and the parent kills the worker at the per-case deadline. No in-process timer on purpose: an alarm that
+fires mid-import or mid-cache-update leaves a half-initialised process that fails every later case (seen
+under load: AttributeError on every gold). RLIMIT_CPU bounds a worker whose parent died mid-case.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import resource
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.rewards.extract import extract_answer, max_brace_depth
+
+# (score, correct, reason, extracted): a plain tuple crosses the pipe cheaply.
+CaseResult = tuple[float, bool, str, str | None]
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    cpu_limit_s: int = 10  # per-case CPU budget enforced by the kernel (orphan guard; SIGXCPU kills)
+    max_answer_chars: int = 512  # longer candidates are junk, not answers
+    max_nesting: int = 32
+
+
+def _parse(text: str) -> list:
+    """math-verify parse without its signal.alarm timeout (the parent's deadline rules); errors raise."""
+    from math_verify import parse
+
+    return parse(text, parsing_timeout=None, raise_on_error=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> list:
+    """GRPO scores n samples per prompt against the same gold: parse it once (failures raise: not cached)."""
+    parsed = _parse(gold)
+    if not parsed:
+        parsed = _parse(f"${gold}$")
+    if not parsed:
+        raise ValueError(f"math-verify found no expression in gold {gold[:80]!r}")
+    return parsed
+
+
+def verify_case(response: str, gold: str, opts: WorkerOptions) -> CaseResult:
+    """Score one (already size-guarded) response against a gold string. Runs inside a worker only."""
+    from math_verify import verify
+
+    ext = extract_answer(response)
+    if ext is None:
+        return 0.0, False, "no_answer", None
+    cand = ext.candidate
+    shown = cand[:200]
+    if len(cand) > opts.max_answer_chars:
+        return 0.0, False, "answer_too_long", shown
+    if max_brace_depth(cand) > opts.max_nesting:
+        return 0.0, False, "too_nested", shown
+    try:
+        gold_parsed = _parse_gold(gold)
+    except Exception as e:  # noqa: BLE001 - a bad gold is a data problem: say so, loudly
+        return 0.0, False, f"error:unparsable_gold:{type(e).__name__}", shown
+    try:
+        # A boxed candidate is re-boxed so math-verify takes exactly that content; others are parsed as-is.
+        pred = _parse(f"\\boxed{{{cand}}}" if ext.method == "boxed" else cand)
+    except Exception as e:  # noqa: BLE001 - junk the model wrote: an ordinary wrong answer
+        return 0.0, False, f"unparsable_answer:{type(e).__name__}", shown
+    if not pred:
+        return 0.0, False, "unparsable_answer", shown
+    ok = verify(gold_parsed, pred, timeout_seconds=None)  # comparison errors read as "not equal"
+    return (1.0, True, "correct", shown) if ok else (0.0, False, "wrong_answer", shown)
+
+
+def _guarded(response: str, gold: str, opts: WorkerOptions) -> CaseResult:
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_now = int(used.ru_utime + used.ru_stime) + 1
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = cpu_now + opts.cpu_limit_s
+    if hard == resource.RLIM_INFINITY or soft <= hard:
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+    try:
+        return verify_case(response, gold, opts)
+    except RecursionError:
+        return 0.0, False, "too_nested", None
+    except Exception as e:  # noqa: BLE001 - any verifier bug scores 0 with its type, never kills the batch
+        return 0.0, False, f"error:{type(e).__name__}", None
+
+
+def worker_main(conn: Any, opts: WorkerOptions) -> None:
+    """Entry point of a spawned worker: announce readiness, then serve (idx, response, gold) until EOF/None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes us
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU must not write core files
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # "timeout disabled" notices: we time out
+    try:
+        verify_case("\\boxed{1}", "1", opts)  # pay sympy/latex2sympy lazy imports before announcing readiness
+        conn.send(("ready", os.getpid()))
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            idx, response, gold = msg
+            conn.send(("result", idx, _guarded(response, gold, opts)))
+    except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
+        pass  # parent went away: exit quietly, never linger as an orphan
+    finally:
+        conn.close()

@@ -1,0 +1,129 @@
+"""A batch-editable KV cache for the in-process engine.
+
+Why not HF's DynamicCache as is: it re-concatenates the whole cache every decode step (a full copy per token),
+and it cannot drop left-padding columns or merge two batches. Here each layer keeps a preallocated buffer that
+grows by doubling (one small write per step), finished rows are index-selected away, all-padding columns on the
+left are cropped (a view, no copy), and newly admitted rows are merged in (continuous batching).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+_HEADROOM = 64
+
+
+class GrowingLayer(DynamicLayer):
+    """One layer's K/V in buffers of shape [batch, kv_heads, capacity, head_dim]; the first `length` columns live."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+        self._len = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, n, d = key_states.shape
+        self._kbuf = key_states.new_zeros(b, h, n + _HEADROOM, d)
+        self._vbuf = value_states.new_zeros(b, value_states.shape[1], n + _HEADROOM, value_states.shape[-1])
+        self._len = 0
+        self.is_initialized = True
+
+    def _refresh(self) -> None:
+        self.keys = self._kbuf[:, :, : self._len]
+        self.values = self._vbuf[:, :, : self._len]
+
+    def _ensure_capacity(self, needed: int) -> None:
+        cap = self._kbuf.shape[2]
+        if needed <= cap:
+            return
+        new_cap = max(needed + _HEADROOM, 2 * cap)
+        for name in ("_kbuf", "_vbuf"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+            new[:, :, : self._len] = old[:, :, : self._len]
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self._len + key_states.shape[2]
+        self._ensure_capacity(end)
+        self._kbuf[:, :, self._len : end] = key_states
+        self._vbuf[:, :, self._len : end] = value_states
+        self._len = end
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._len if self.is_initialized else 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._kbuf = self._kbuf[indices]
+            self._vbuf = self._vbuf[indices]
+            self._refresh()
+
+    def crop_left(self, n: int) -> None:
+        """Drop the first n columns (all-padding once the rows that needed them have left)."""
+        if self.is_initialized and n > 0:
+            self._kbuf = self._kbuf[:, :, n:]
+            self._vbuf = self._vbuf[:, :, n:]
+            self._len -= n
+            self._refresh()
+
+    def padded_left(self, length: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K/V left-padded with zeros to `length` live columns inside `capacity` columns."""
+        pad = length - self._len
+        out = []
+        for buf in (self._kbuf, self._vbuf):
+            new = buf.new_zeros(buf.shape[0], buf.shape[1], capacity, buf.shape[3])
+            new[:, :, pad:length] = buf[:, :, : self._len]
+            out.append(new)
+        return out[0], out[1]
+
+
+class KVCache(Cache):
+    """HF `Cache` of GrowingLayers with batch surgery: select rows, crop left padding, merge batches."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[GrowingLayer() for _ in range(num_layers)])
+
+    @property
+    def seq_length(self) -> int:
+        return self.layers[0].get_seq_length()
+
+    def select(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+
+    def crop_left(self, n: int) -> None:
+        for layer in self.layers:
+            layer.crop_left(n)
+
+    @staticmethod
+    def merge(a: KVCache, b: KVCache) -> KVCache:
+        """Rows of `a` then rows of `b`, both left-padded (zeros, masked by the caller) to the longer length."""
+        length = max(a.seq_length, b.seq_length)
+        out = KVCache(len(a.layers))
+        for la, lb, lo in zip(a.layers, b.layers, out.layers):
+            ka, va = la.padded_left(length, length + _HEADROOM)
+            kb, vb = lb.padded_left(length, length + _HEADROOM)
+            lo.dtype, lo.device, lo.is_initialized = ka.dtype, ka.device, True
+            lo._kbuf, lo._vbuf, lo._len = torch.cat([ka, kb]), torch.cat([va, vb]), length
+            lo._refresh()
+        return out
+
+
+def check_full_attention(config) -> None:
+    """The cache above models full attention only; refuse sliding-window / hybrid models clearly."""
+    text_config = config.get_text_config(decoder=True)
+    layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other or getattr(text_config, "use_sliding_window", False):
+        raise NotImplementedError(
+            f"local rollout engine supports full-attention models only; {type(text_config).__name__} has "
+            f"layer types {other or ['sliding_attention']} -- use the sglang engine for it"
+        )

@@ -1,0 +1,278 @@
+"""Start, watch and stop N rollout servers (SGLang by default) and an optional sglang-router in front.
+
+Each server runs in its own session (so stop() takes its child processes too), logs to its own file, and must
+answer /health before start() returns. A monitor thread restarts a server whose process died (up to
+`max_restarts` times each). Everything is stopped on exit: context manager + atexit.
+The command is a template so tests (and CPU machines) can launch `mcore-rl-serve` instead of SGLang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+SGLANG_COMMAND = [
+    "{python}", "-m", "sglang.launch_server", "--model-path", "{model_path}", "--tp", "{tp_size}",
+    "--port", "{port}", "--host", "{host}",
+]  # fmt: skip
+MCORE_RL_SERVE_COMMAND = [
+    "{python}", "-m", "mcore_rl.rollout.server", "--model-path", "{model_path}", "--port", "{port}",
+    "--host", "{host}",
+]  # fmt: skip
+ROUTER_COMMAND = [
+    "{python}", "-m", "sglang_router.launch_router", "--worker-urls", "{worker_urls}", "--port", "{port}",
+    "--host", "{host}",
+]  # fmt: skip
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def http_ok(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass
+class LauncherConfig:
+    model_path: str
+    num_servers: int = 1
+    tp_size: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 0  # 0: pick free ports
+    command: list[str] = field(default_factory=lambda: list(SGLANG_COMMAND))
+    extra_args: list[str] = field(default_factory=list)
+    gpu_ids: list[int] | None = None  # server i gets gpu_ids[i*tp : (i+1)*tp] as CUDA_VISIBLE_DEVICES
+    router: bool = False
+    router_port: int = 0
+    router_command: list[str] = field(default_factory=lambda: list(ROUTER_COMMAND))
+    log_dir: str = "rollout_logs"
+    health_timeout_s: float = 900.0
+    monitor: bool = True
+    monitor_interval_s: float = 2.0
+    max_restarts: int = 3
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 1:
+            raise ValueError(f"LauncherConfig.num_servers={self.num_servers} must be >= 1")
+        if self.gpu_ids is not None and len(self.gpu_ids) < self.num_servers * self.tp_size:
+            raise ValueError(
+                f"LauncherConfig.gpu_ids has {len(self.gpu_ids)} GPUs for {self.num_servers} x tp {self.tp_size}"
+            )
+
+
+@dataclass
+class _Proc:
+    name: str
+    cmd: list[str]
+    url: str
+    env: dict[str, str]
+    log_path: Path
+    popen: subprocess.Popen | None = None
+    log_file: IO | None = None
+    restarts: int = 0
+    failed: bool = False
+
+
+class ServerLauncher:
+    def __init__(self, cfg: LauncherConfig) -> None:
+        self.cfg = cfg
+        self.servers: list[_Proc] = []
+        self.router: _Proc | None = None
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def router_url(self) -> str | None:
+        return self.router.url if self.router else None
+
+    @property
+    def restarts(self) -> list[int]:
+        return [s.restarts for s in self.servers]
+
+    def _fmt(self, template: list[str], **values) -> list[str]:
+        out: list[str] = []
+        for tok in template:
+            if tok == "{worker_urls}":
+                out.extend(values["worker_urls"])
+            else:
+                out.append(
+                    tok.format(
+                        python=sys.executable, **{k: v for k, v in values.items() if k != "worker_urls"}
+                    )
+                )
+        return out
+
+    def start(self) -> ServerLauncher:
+        cfg = self.cfg
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        for i in range(cfg.num_servers):
+            port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
+            values = dict(model_path=cfg.model_path, tp_size=cfg.tp_size, port=port, host=cfg.host)
+            env = dict(cfg.env)
+            if cfg.gpu_ids is not None:
+                gpus = cfg.gpu_ids[i * cfg.tp_size : (i + 1) * cfg.tp_size]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+            proc = _Proc(
+                f"server{i}", self._fmt(cfg.command, **values) + list(cfg.extra_args),
+                f"http://{cfg.host}:{port}", env, Path(cfg.log_dir) / f"server{i}.log",
+            )  # fmt: skip
+            self.servers.append(proc)
+            self._spawn(proc)
+        try:
+            for proc in self.servers:
+                self._wait_healthy(proc)
+            if cfg.router:
+                port = cfg.router_port or free_port(cfg.host)
+                cmd = self._fmt(cfg.router_command, worker_urls=self.worker_urls, port=port, host=cfg.host)
+                self.router = _Proc(
+                    "router",
+                    cmd,
+                    f"http://{cfg.host}:{port}",
+                    dict(cfg.env),
+                    Path(cfg.log_dir) / "router.log",
+                )
+                self._spawn(self.router)
+                self._wait_healthy(self.router)
+        except BaseException:
+            self.stop()
+            raise
+        if cfg.monitor:
+            self._monitor = threading.Thread(target=self._watch, name="rollout-launcher-monitor", daemon=True)
+            self._monitor.start()
+        return self
+
+    def _spawn(self, proc: _Proc) -> None:
+        proc.log_file = open(proc.log_path, "ab")  # noqa: SIM115 -- lives as long as the process
+        proc.log_file.write(f"\n==== {time.strftime('%F %T')} start: {' '.join(proc.cmd)}\n".encode())
+        proc.log_file.flush()
+        proc.popen = subprocess.Popen(
+            proc.cmd, stdout=proc.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **proc.env}, start_new_session=True,
+        )  # fmt: skip
+        log.info("launched %s pid=%d at %s (log %s)", proc.name, proc.popen.pid, proc.url, proc.log_path)
+
+    def _log_tail(self, proc: _Proc, n: int = 3000) -> str:
+        try:
+            return proc.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _wait_healthy(self, proc: _Proc) -> None:
+        deadline = time.monotonic() + self.cfg.health_timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if proc.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{proc.name} exited with code {proc.popen.returncode} before /health; log {proc.log_path}:\n"
+                    f"{self._log_tail(proc)}"
+                )
+            if http_ok(proc.url + "/health"):
+                return
+            time.sleep(0.25)
+        raise TimeoutError(
+            f"{proc.name} at {proc.url} not healthy after {self.cfg.health_timeout_s}s; log {proc.log_path}"
+        )
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.cfg.monitor_interval_s):
+            for proc in self.servers + ([self.router] if self.router else []):
+                with self._lock:
+                    if self._stop.is_set() or proc.failed or proc.popen.poll() is None:
+                        continue
+                    code = proc.popen.returncode
+                    if proc.restarts >= self.cfg.max_restarts:
+                        proc.failed = True
+                        log.error(
+                            "%s died (code %s); restart budget %d spent",
+                            proc.name,
+                            code,
+                            self.cfg.max_restarts,
+                        )
+                        continue
+                    proc.restarts += 1
+                    log.warning(
+                        "%s died (code %s); restart %d/%d",
+                        proc.name,
+                        code,
+                        proc.restarts,
+                        self.cfg.max_restarts,
+                    )
+                    _killpg(proc.popen.pid, signal.SIGKILL)  # orphaned children of the dead server
+                    self._close_log(proc)
+                    self._spawn(proc)
+                try:
+                    self._wait_healthy(proc)
+                except (RuntimeError, TimeoutError) as exc:
+                    log.error("%s restart failed: %s", proc.name, exc)
+
+    def healthy(self) -> bool:
+        procs = self.servers + ([self.router] if self.router else [])
+        return all(p.popen.poll() is None and http_ok(p.url + "/health") for p in procs)
+
+    @staticmethod
+    def _close_log(proc: _Proc) -> None:
+        if proc.log_file is not None:
+            proc.log_file.close()
+            proc.log_file = None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every process group we started, SIGKILL what is left after `timeout`."""
+        self._stop.set()
+        with self._lock:
+            procs = ([self.router] if self.router else []) + self.servers
+            for proc in procs:
+                if proc.popen is not None:
+                    _killpg(proc.popen.pid, signal.SIGTERM)  # also children of a server that already died
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                if proc.popen is None:
+                    continue
+                try:
+                    proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _killpg(proc.popen.pid, signal.SIGKILL)
+                    proc.popen.wait(timeout=10)
+                self._close_log(proc)
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=5)
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> ServerLauncher:
+        return self.start() if not self.servers else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,463 @@
+"""In-process rollout engine on `transformers` (CPU or GPU): the default engine on one machine.
+
+One worker thread owns the model and runs a continuous batch: requests submitted from any thread queue up and
+join the running batch between decode steps (their prompts are prefilled and merged into the KV cache), rows
+that finish leave it at once (index-select), and all-padding columns are cropped, so later steps get cheaper.
+Aborts, pauses and weight updates from other threads take effect between decode steps; every token records the
+weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mcore_rl.rollout.disk_sync import iter_safetensors
+from mcore_rl.rollout.kv_cache import KVCache, check_full_attention
+from mcore_rl.rollout.protocol import (
+    PAUSE_MODES,
+    GenerationRequest,
+    PauseMode,
+    Sample,
+    expand_requests,
+    register_engine,
+    sample_seed,
+)
+from mcore_rl.rollout.sampler import RowParams, sample_next
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Row:
+    """One sample being generated; owned by the worker thread once admitted."""
+
+    req: GenerationRequest
+    index: int
+    future: Future
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    max_len: int  # model context limit
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    abort_requested: bool = False
+    finish: str | None = None
+    matched: int | str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=100_000))  # rows per decode step
+
+
+def load_named_tensors(
+    params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> int:
+    """Copy tensors into `params` (HF name -> live tensor) in place; error names the offending tensor."""
+    count = 0
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            target = params.get(name)
+            if target is None:
+                close = difflib.get_close_matches(name, list(params), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise KeyError(f"update_weights: unknown tensor name {name!r}{hint}")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
+                    f"model has {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            count += 1
+    return count
+
+
+@register_engine("local")
+class LocalEngine:
+    """RolloutEngine over an HF causal LM folder. Thread-safe; `submit` returns one Future per sample."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        num_threads: int | None = None,
+        max_batch_size: int = 64,
+        seed: int = 0,
+        weight_version: int = 0,
+        return_text: bool = True,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        if not Path(model_path, "config.json").is_file():
+            raise FileNotFoundError(f"model_path {model_path} is not an HF folder (no config.json)")
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        ).to(self.device)
+        self.model.eval()
+        check_full_attention(self.model.config)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except (OSError, ValueError, TypeError):
+            self.tokenizer = None
+        self._params = dict(self.model.state_dict(keep_vars=True))
+        self._num_layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
+        self._max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self._eos = self._eos_ids()
+        self._pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        self.max_batch_size = int(max_batch_size)
+        self.return_text = return_text
+        self._seed_rng = random.Random(seed)
+        self._version = int(weight_version)
+        self.stats = EngineStats()
+        # shared state, guarded by _cv
+        self._cv = threading.Condition()
+        self._pending: deque[_Row] = deque()
+        self._admitting: list[_Row] = []
+        self._paused = False
+        self._released = False
+        self._closing = False
+        self._wake = False
+        self._rid_counter = itertools.count()
+        # worker-owned batch state
+        self._model_lock = threading.RLock()
+        self._rows: list[_Row] = []
+        self._cache: KVCache | None = None
+        self._mask: torch.Tensor | None = None  # [B, L] bool
+        self._pos: torch.Tensor | None = None  # [B] next position id
+        self._last: torch.Tensor | None = None  # [B] last sampled token
+        self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
+        return [f.result() for f in self.submit(requests)]
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[Future]:
+        """Queue requests; one Future[Sample] per sample, request-major. Never blocks on generation."""
+        rows = [self._make_row(req, j) for req, j in expand_requests(requests)]
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("engine is closed")
+            if self._released:
+                raise RuntimeError("engine memory is released; call resume_memory() before generate()")
+            self._pending.extend(rows)
+            self._cv.notify_all()
+        return [r.future for r in rows]
+
+    def abort(self, rid: str | None = None) -> None:
+        with self._cv:
+            for row in itertools.chain(self._pending, list(self._admitting), list(self._rows)):
+                if rid is None or row.req.rid == rid:
+                    row.abort_requested = True
+            self._wake = True
+            self._cv.notify_all()
+
+    def pause(self, mode: PauseMode = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} not in {PAUSE_MODES}")
+        with self._cv:
+            self._paused = True
+        if mode == "abort":
+            self.abort(None)
+            with self._cv:  # SGLang returns once the aborted requests are out
+                self._cv.wait_for(lambda: not self._rows and not self._admitting, timeout=60)
+        with self._model_lock:  # returns once the in-flight decode step is done
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        with self._model_lock:
+            n = load_named_tensors(self._params, named_tensors)
+            self._version = int(version)
+        log.info("local engine: loaded %d tensors, weight_version=%d", n, version)
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        self.update_weights(iter_safetensors(path), version)
+
+    def set_weight_version(self, version: int) -> None:
+        """Re-tag without loading weights (SGLang's /update_weight_version)."""
+        with self._model_lock:
+            self._version = int(version)
+
+    def release_memory(self) -> None:
+        with self._cv:
+            if self._rows or self._pending:
+                raise RuntimeError(
+                    f"release_memory() with {len(self._rows) + len(self._pending)} requests in flight; "
+                    "pause(mode='abort') first"
+                )
+            self._released = True
+        with self._model_lock:
+            if self.device.type == "cuda":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        with self._model_lock:
+            if self._released and self.device.type == "cuda":
+                self.model.to(self.device)
+        with self._cv:
+            self._released = False
+            self._cv.notify_all()
+
+    def health(self) -> bool:
+        return self._worker.is_alive() and not self._closing
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._worker.join(timeout=60)
+        err = RuntimeError("engine closed")
+        for row in itertools.chain(self._pending, self._rows):
+            if not row.future.done():
+                row.future.set_exception(err)
+        self._pending.clear()
+        self._rows = []
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def num_running(self) -> int:
+        """Samples admitted or queued (SGLang refuses /flush_cache while this is > 0)."""
+        return len(self._rows) + len(self._admitting) + len(self._pending)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # ------------------------------------------------------------------ rows
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (self.model.config, getattr(self.model, "generation_config", None)):
+            eos = getattr(src, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return frozenset(ids)
+
+    def _make_row(self, req: GenerationRequest, j: int) -> _Row:
+        sp = req.sampling
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {req.rid!r}: stop strings need a tokenizer, {self.model_path} has none"
+            )
+        if len(req.prompt_ids) >= self._max_len:
+            raise ValueError(
+                f"request {req.rid!r}: prompt of {len(req.prompt_ids)} tokens >= context {self._max_len}"
+            )
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        if max(req.prompt_ids) >= vocab or min(req.prompt_ids) < 0:
+            raise ValueError(f"request {req.rid!r}: prompt token id out of range [0, {vocab})")
+        seed = sample_seed(sp.seed, j)
+        gen = torch.Generator().manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
+        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
+        return _Row(
+            req=req, index=j, future=Future(), generator=gen, stop_ids=stop_ids, max_len=self._max_len
+        )
+
+    def _finish_check(self, row: _Row, token: int) -> None:
+        sp = row.req.sampling
+        if token in row.stop_ids:
+            row.finish, row.matched = "stop", token
+        elif sp.stop:
+            tail = self.tokenizer.decode(row.out[-4 * max(map(len, sp.stop)) - 4 :])
+            hit = next((s for s in sp.stop if s in tail), None)
+            if hit is not None:
+                row.finish, row.matched = "stop", hit
+        if row.finish is None and (
+            len(row.out) >= sp.max_new_tokens or len(row.req.prompt_ids) + len(row.out) >= row.max_len
+        ):
+            row.finish = "length"
+
+    def _to_sample(self, row: _Row) -> Sample:
+        text = None
+        if self.return_text and self.tokenizer is not None:
+            text = self.tokenizer.decode(row.out, skip_special_tokens=True)
+            if isinstance(row.matched, str) and row.matched in text:
+                text = text[: text.index(row.matched)]
+        return Sample(
+            rid=row.req.rid,
+            prompt_ids=list(row.req.prompt_ids),
+            output_ids=row.out,
+            output_logprobs=row.logprobs,
+            weight_versions=row.versions,
+            finish_reason=row.finish or "abort",
+            text=text,
+            matched_stop=row.matched,
+            sample_index=row.index,
+            metadata=dict(row.req.metadata),
+        )
+
+    # ------------------------------------------------------------------ worker
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closing and not self._has_work():
+                    self._cv.wait()
+                if self._closing:
+                    return
+                self._wake = False
+                admit = self._take_pending()
+            try:
+                with self._model_lock, torch.inference_mode():
+                    self._step(admit)
+            except Exception as exc:  # fail the affected requests, keep serving
+                log.exception("local engine step failed")
+                for row in itertools.chain(self._rows, admit):
+                    if not row.future.done():
+                        row.future.set_exception(exc)
+                self._rows, self._cache = [], None
+            with self._cv:
+                self._admitting = []
+                self._cv.notify_all()
+
+    def _has_work(self) -> bool:
+        if self._wake:
+            return True
+        if self._paused or self._released:
+            return False
+        return bool(self._rows or self._pending)
+
+    def _take_pending(self) -> list[_Row]:
+        """Move queued rows into the batch (FIFO, up to max_batch_size); resolve queued aborts at once."""
+        out: list[_Row] = []
+        keep: deque[_Row] = deque()
+        while self._pending:
+            row = self._pending.popleft()
+            if row.abort_requested:
+                row.future.set_result(self._to_sample(row))
+            elif self._paused or self._released or len(self._rows) + len(out) >= self.max_batch_size:
+                keep.append(row)
+            else:
+                out.append(row)
+        self._pending = keep
+        self._admitting = out
+        return out
+
+    def _step(self, admit: list[_Row]) -> None:
+        self._retire()  # aborted rows leave before paying for another step
+        if self._rows and not self._paused:
+            self._decode()
+        if admit:
+            self._prefill(admit)
+        self._retire()
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        sps = [r.req.sampling for r in rows]
+        params = RowParams.build(
+            [s.temperature for s in sps],
+            [s.top_p for s in sps],
+            [s.top_k for s in sps],
+            [r.generator for r in rows],
+        )
+        tokens, logprobs = sample_next(logits, params)
+        version = self._version
+        for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            row.out.append(tok)
+            row.logprobs.append(lp)
+            row.versions.append(version)
+            self._finish_check(row, tok)
+        return tokens
+
+    def _decode(self) -> None:
+        b = len(self._rows)
+        self._mask = torch.cat([self._mask, self._mask.new_ones(b, 1)], dim=1)
+        logits = self.model(
+            input_ids=self._last.unsqueeze(1),
+            attention_mask=self._mask,
+            position_ids=self._pos.unsqueeze(1),
+            past_key_values=self._cache,
+            use_cache=True,
+        ).logits[:, -1]
+        self._last = self._sample(self._rows, logits)
+        self._pos = self._pos + 1
+        self.stats.steps += 1
+        self.stats.decode_tokens += b
+        self.stats.batch_sizes.append(b)
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        lengths = [len(r.req.prompt_ids) for r in rows]
+        width = max(lengths)
+        ids = torch.full((len(rows), width), self._pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            ids[i, width - n :] = torch.tensor(row.req.prompt_ids)
+            mask[i, width - n :] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        cache = KVCache(self._num_layers)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        last = self._sample(rows, logits)
+        next_pos = torch.tensor(lengths, device=self.device)
+        self.stats.prefill_tokens += sum(lengths)
+        if not self._rows:
+            self._rows, self._cache, self._mask, self._pos, self._last = rows, cache, mask, next_pos, last
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        pad = lambda m: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
+        self._cache = KVCache.merge(self._cache, cache)
+        self._mask = torch.cat([pad(self._mask), pad(mask)])
+        self._pos = torch.cat([self._pos, next_pos])
+        self._last = torch.cat([self._last, last])
+        self._rows = self._rows + rows
+
+    def _retire(self) -> None:
+        """Finished / aborted rows leave the batch: index-select the cache, then crop all-padding columns."""
+        for row in self._rows:
+            if row.abort_requested and row.finish is None:
+                row.finish = "abort"
+        keep = [i for i, r in enumerate(self._rows) if r.finish is None]
+        if len(keep) == len(self._rows):
+            return
+        done = [r for r in self._rows if r.finish is not None]
+        if keep:
+            idx = torch.tensor(keep, device=self.device)
+            self._cache.select(idx)
+            self._mask, self._pos, self._last = self._mask[idx], self._pos[idx], self._last[idx]
+            lead = int(self._mask.any(dim=0).long().argmax())  # first column any remaining row attends to
+            if lead > 0:
+                self._cache.crop_left(lead)
+                self._mask = self._mask[:, lead:]
+            self._rows = [self._rows[i] for i in keep]
+        else:
+            self._rows, self._cache, self._mask, self._pos, self._last = [], None, None, None, None
+        for row in done:
+            row.future.set_result(self._to_sample(row))

@@ -1,0 +1,182 @@
+"""The one engine protocol the trainer talks to, whatever engine (in-process, SGLang over HTTP) is behind it.
+
+Log-prob convention (matches SGLang, and the trainer computes its own log-probs the same way):
+``log_softmax(logits / T)`` in float32 at the sampled token -- temperature-scaled but NOT truncated by
+top-p / top-k. Greedy decoding (``temperature == 0``) reports ``log_softmax(logits)`` (T = 1), as SGLang does.
+
+Every output token carries the weight version that produced it, so staleness and off-policy corrections are
+exact even when a weight update lands in the middle of a sequence.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (names follow SGLang's ``sampling_params`` where they overlap)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = disabled, as in SGLang
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.top_k is None or self.top_k == 0:
+            self.top_k = -1
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (disabled) or >= 1"),
+            ("n", self.n >= 1, "must be >= 1"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt (token ids) to complete ``sampling.n`` times."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt_ids, torch.Tensor):
+            self.prompt_ids = self.prompt_ids.tolist()
+        if not self.prompt_ids:
+            raise ValueError(f"GenerationRequest(rid={self.rid!r}).prompt_ids is empty")
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+
+
+@dataclass
+class Sample:
+    """One completion. ``output_logprobs[i]`` and ``weight_versions[i]`` belong to ``output_ids[i]``."""
+
+    rid: str | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: FinishReason
+    text: str | None = None
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended the sample
+    sample_index: int = 0  # which of the request's n samples this is
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        if len(self.output_logprobs) != n or len(self.weight_versions) != n:
+            raise ValueError(
+                f"Sample(rid={self.rid!r}): {n} output_ids but {len(self.output_logprobs)} logprobs and "
+                f"{len(self.weight_versions)} weight_versions"
+            )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def logprobs_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.output_logprobs, dtype=torch.float32)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generation engine. Implementations: ``local``, ``sglang``."""
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
+        """Complete every request; ``n > 1`` expands to n consecutive samples per request, order kept."""
+        ...
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[Future]:
+        """Start generating without blocking: one ``Future[Sample]`` per sample, in ``generate`` order."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load full tensors under their HF names and tag later tokens with ``version``."""
+        ...
+
+    def update_weights_from_disk(self, path: str, version: int) -> None: ...
+
+    def pause(self, mode: PauseMode = "abort") -> None: ...
+
+    def resume(self) -> None: ...
+
+    def abort(self, rid: str | None = None) -> None:
+        """Abort one request (all its n samples) or, with ``None``, everything in flight."""
+        ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+    def health(self) -> bool: ...
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+ENGINE_REGISTRY: dict[str, Callable[..., RolloutEngine]] = {}
+_ENGINE_MODULES = {"local": "mcore_rl.rollout.local", "sglang": "mcore_rl.rollout.sglang"}
+
+
+def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:
+    def deco(factory: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
+        ENGINE_REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """Build a registered engine by name (``local`` | ``sglang``); the module is imported on demand."""
+    if name not in ENGINE_REGISTRY and name in _ENGINE_MODULES:
+        importlib.import_module(_ENGINE_MODULES[name])
+    if name not in ENGINE_REGISTRY:
+        raise KeyError(
+            f"rollout engine {name!r} is not registered; known: {sorted(set(_ENGINE_MODULES) | set(ENGINE_REGISTRY))}"
+        )
+    return ENGINE_REGISTRY[name](**kwargs)
+
+
+def expand_requests(requests: Sequence[GenerationRequest]) -> list[tuple[GenerationRequest, int]]:
+    """(request, sample_index) pairs in the protocol's output order: request-major, n samples each."""
+    return [(req, j) for req in requests for j in range(req.sampling.n)]
+
+
+def sample_seed(seed: int | None, sample_index: int) -> int | None:
+    """Distinct, reproducible seed for sample j of a seeded request (None stays None)."""
+    if seed is None:
+        return None
+    return (int(seed) * 1_000_003 + sample_index) % (2**63 - 1)

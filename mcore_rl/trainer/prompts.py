@@ -1,0 +1,106 @@
+"""Rank 0's prompt supply: training prompts (seeded, resumable), the fixed held-out set, pass-rate retirement."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from mcore_rl.data import PromptSampler, build_dataset, render_prompt
+from mcore_rl.trainer.setup import ConfigError
+
+log = logging.getLogger("mcore_rl")
+
+
+@dataclass
+class Prompt:
+    prompt_id: str
+    prompt_ids: list[int]
+    answer: str
+
+
+def _dataset(spec: dict, where: str):
+    try:
+        ds = build_dataset(spec)
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"{where}: {str(e).strip(chr(39))}") from None
+    if ds.summary.num_skipped:
+        log.warning("%s: %s", where, ds.summary.line())
+    return ds
+
+
+class PromptSource:
+    def __init__(self, cfg: DictConfig, model_dir: Path, algorithm) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        spec = OmegaConf.to_container(cfg.data, resolve=True)
+        sampler_cfg = spec.get("sampler") or {}
+        self.train = _dataset(spec, "data")
+        self.per_update = cfg.trainer.prompts_per_update
+        self.history = None
+        retire = getattr(algorithm.config, "retire_pass_rate", None)
+        if retire:
+            from mcore_rl.algorithms import PassRateHistory
+
+            self.history = PassRateHistory(threshold=retire)
+        self.sampler = PromptSampler(self.train, batch_size=self.per_update, seed=sampler_cfg.get("seed", cfg.seed),
+                                     shuffle=sampler_cfg.get("shuffle", True),
+                                     skip=self.history.is_retired if self.history else None)
+        self.eval_spec = self._eval_spec(cfg, spec)
+        self._eval: list[Prompt] | None = None
+        self.stop_token_ids = [t for t in {self.tokenizer.eos_token_id} if t is not None]
+        self._cache: dict[str, list[int]] = {}
+
+    @staticmethod
+    def _eval_spec(cfg: DictConfig, train_spec: dict) -> dict | None:
+        if cfg.eval.num_prompts <= 0:
+            return None
+        if cfg.eval.get("data"):
+            return OmegaConf.to_container(cfg.eval.data, resolve=True)
+        spec = dict(train_spec)  # same kind; generators get a different seed so the set is fixed and separate
+        if "seed" in spec:
+            spec["seed"] = int(spec["seed"]) + 1000
+        if "size" in spec:
+            spec["size"] = cfg.eval.num_prompts
+        return spec
+
+    def _render(self, rec) -> Prompt:
+        ids = self._cache.get(rec.prompt_id)
+        if ids is None:
+            ids = self._cache[rec.prompt_id] = render_prompt(self.tokenizer, rec)
+        return Prompt(rec.prompt_id, ids, rec.answer)
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        if n % self.per_update:
+            raise ValueError(f"asked for {n} prompts, not a multiple of trainer.prompts_per_update={self.per_update}")
+        return [self._render(r) for _ in range(n // self.per_update) for r in self.sampler.next_batch()]
+
+    def eval_prompts(self) -> list[Prompt]:
+        if self._eval is None:
+            ds = _dataset(self.eval_spec, "eval.data") if self.eval_spec else []
+            self._eval = [self._render(r) for r in list(ds)[: len(ds)]]
+        return self._eval
+
+    def observe(self, prompt_ids: list[str], rewards: list[float]) -> None:
+        if self.history is not None:
+            import torch
+
+            self.history.update(prompt_ids, torch.tensor(rewards))
+
+    def metrics(self) -> dict[str, float]:
+        m = {"data_epoch": float(self.sampler.epoch)}
+        if self.history is not None:
+            m.update({f"pass_rate_{k}": float(v) for k, v in self.history.metrics().items()})
+        return m
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(),
+                "history": self.history.state_dict() if self.history is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        if self.history is not None and state.get("history"):
+            self.history.load_state_dict(state["history"])

@@ -1,0 +1,111 @@
+"""Tiny random Qwen2 / Qwen3 HF models and a CLI runner for the conversion tests.
+
+Megatron work always runs in a subprocess (the CLI), so the CPU shim and process groups never leak into pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = REPO / "tools" / "convert_ckpt" / "convert.py"
+
+
+def qwen2_config():
+    """Qwen2: QKV bias, GQA (4 q heads / 2 kv heads), untied head, vocab whose TP padding differs at TP1 vs TP2."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=1100, tie_word_embeddings=False,
+                       max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+def qwen3_config():
+    """Qwen3: per-head q/k RMSNorm, head_dim (32) != hidden/heads (16), GQA, tied embeddings."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True,
+                       max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0)
+
+
+def save_random_model(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Random weights with every tensor perturbed (norms and biases too), so a mapping slip changes the logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:  # RMSNorm weights
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.to(dtype).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return save_random_model(tmp_path_factory.mktemp("qwen2"), qwen2_config(), seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return save_random_model(tmp_path_factory.mktemp("qwen3"), qwen3_config(), seed=2)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_cli(*args: str, rc: int | None = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python tools/convert_ckpt/convert.py --quiet ARGS`; asserts the exit code unless rc is None."""
+    proc = subprocess.run([sys.executable, str(CLI), "--quiet", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=REPO)
+    if rc is not None and proc.returncode != rc:
+        raise AssertionError(f"exit {proc.returncode} (wanted {rc}) for {args}:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc
+
+
+def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a snippet in a fresh interpreter (failure injection without touching this process)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env=_env(), cwd=REPO)
+
+
+def max_logit_diff(proc: subprocess.CompletedProcess) -> float:
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("max_abs_logit_diff="))
+    return float(line.split()[0].split("=")[1])
+
+
+def assert_same_hf_tensors(a_dir: Path, b_dir: Path, dtype: torch.dtype | None = None) -> int:
+    """Every tensor of a (cast to `dtype` if given) equals b's bit for bit, same names, b in that dtype."""
+    from mcore_rl.models.hf_io import HFReader
+
+    a, b = HFReader(a_dir), HFReader(b_dir)
+    assert set(a.names()) == set(b.names())
+    for name in a.names():
+        x, y = a.get(name), b.get(name)
+        if dtype is not None:
+            x = x.to(dtype)
+        assert x.dtype == y.dtype, name
+        assert torch.equal(x, y), name
+    return len(a.names())
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
