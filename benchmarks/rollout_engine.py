@@ -28,7 +28,15 @@ def build_prompts(tokenizer, n: int) -> list[list[int]]:
     return prompts
 
 
-def run_hf(model, tokenizer, prompts: list[list[int]], new_tokens: int, temperature: float, eos: int) -> int:
+def run_hf(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    new_tokens: int,
+    temperature: float,
+    eos: int,
+    ignore_eos: bool,
+) -> int:
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -47,29 +55,36 @@ def run_hf(model, tokenizer, prompts: list[list[int]], new_tokens: int, temperat
             top_k=0,
             eos_token_id=eos,
             pad_token_id=pad,
+            min_new_tokens=new_tokens if ignore_eos else 0,
         )
-    count = 0
-    for row in out[:, width:].tolist():
-        count += row.index(eos) + 1 if eos in row else len(row)
-    return count
+    if ignore_eos:
+        return out[:, width:].numel()
+    return sum(row.index(eos) + 1 if eos in row else len(row) for row in out[:, width:].tolist())
 
 
-def run_engine(engine, prompts: list[list[int]], new_tokens: int, temperature: float) -> int:
+def run_engine(
+    engine, prompts: list[list[int]], new_tokens: int, temperature: float, ignore_eos: bool
+) -> int:
     from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
 
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=temperature)
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=ignore_eos)
     samples = engine.generate([GenerationRequest(p, sp) for p in prompts])
     return sum(s.num_output_tokens for s in samples)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=None, help="HF folder (default: materialised SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model-path", default=None, help="HF folder (default: materialised SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both")
+    ap.add_argument(
+        "--ignore-eos", action="store_true", help="fixed-length outputs: raw per-step speed, no early exits"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,21 +103,21 @@ def main() -> None:
     prompts = build_prompts(tokenizer, args.prompts)
     print(
         f"model={path} prompts={len(prompts)} new_tokens={args.new_tokens} T={args.temperature} "
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()} ignore_eos={args.ignore_eos}"
     )
 
     # warm-up (allocators, kernels) for both, not timed
-    run_hf(model, tokenizer, prompts[:2], 4, args.temperature, eos)
-    run_engine(engine, prompts[:2], 4, args.temperature)
+    run_hf(model, tokenizer, prompts[:2], 4, args.temperature, eos, args.ignore_eos)
+    run_engine(engine, prompts[:2], 4, args.temperature, args.ignore_eos)
 
     rates: dict[str, list[float]] = {"hf_generate": [], "local_engine": []}
     for r in range(args.repeats):
         for name in ("hf_generate", "local_engine"):
             t0 = time.perf_counter()
             if name == "hf_generate":
-                n = run_hf(model, tokenizer, prompts, args.new_tokens, args.temperature, eos)
+                n = run_hf(model, tokenizer, prompts, args.new_tokens, args.temperature, eos, args.ignore_eos)
             else:
-                n = run_engine(engine, prompts, args.new_tokens, args.temperature)
+                n = run_engine(engine, prompts, args.new_tokens, args.temperature, args.ignore_eos)
             dt = time.perf_counter() - t0
             rates[name].append(n / dt)
             print(f"  run {r} {name:13s} {n:5d} tokens in {dt:6.2f} s = {n / dt:7.1f} tok/s")

@@ -52,7 +52,7 @@ pid_ours() { [[ -r /proc/$1/cmdline ]] && tr '\0' ' ' <"/proc/$1/cmdline" | grep
 pid_alive() { [[ -f $1 ]] && pid_ours "$(cat "$1")"; }
 
 check_settings() {
-  [[ $NODES =~ ^[1-9][0-9]*$ ]] || die "MCORE_RL_SLURM_NODES='$NODES' is not a positive integer"
+  [[ $NODES =~ ^[1-9][0-9]*$ ]] && ((NODES <= 64)) || die "MCORE_RL_SLURM_NODES='$NODES' must be in 1..64"
   [[ $PORT =~ ^[0-9]+$ ]] && ((PORT > 1023 && PORT + NODES < 65536)) \
     || die "MCORE_RL_SLURM_PORT='$PORT' must be a port number in 1024..$((65535 - NODES))"
   [[ $DIR == /* ]] || die "MCORE_RL_SLURM_DIR='$DIR' must be an absolute path"
@@ -63,7 +63,7 @@ need_binaries() {
   for b in munged slurmctld slurmd sinfo scontrol; do
     command -v "$b" >/dev/null 2>&1 || [[ -x /usr/sbin/$b ]] || missing+=("$b")
   done
-  ((${#missing[@]} == 0)) || die "missing ${missing[*]}; install them with: apt-get install -y slurm-wlm munge"
+  ((${#missing[@]} == 0)) || die "missing ${missing[*]}; install: apt-get install -y slurm-wlm munge"
   ((EUID == 0)) || die "must run as root (slurmd starts jobs as their owner); try: sudo $0 up"
 }
 
@@ -113,7 +113,8 @@ EOF
   while read -r name; do
     nodehost=$host
     ((i == 0)) || nodehost=$host-$((i + 1))
-    echo "NodeName=$name NodeHostname=$nodehost NodeAddr=127.0.0.$((i + 1)) Port=$((PORT + 1 + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN" >>"$CONF"
+    echo "NodeName=$name NodeHostname=$nodehost NodeAddr=127.0.0.$((i + 1)) Port=$((PORT + 1 + i))" \
+      "CPUs=$cpus RealMemory=$mem State=UNKNOWN" >>"$CONF"
     i=$((i + 1))
   done < <(node_names)
   echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
@@ -150,24 +151,24 @@ cmd_up() {
   mkdir -p "$DIR"/{munge,state,spool,run,log}
   chmod 0700 "$DIR/munge"
   if pid_alive "$RUN/slurmctld.pid"; then
-    grep -qxF "# settings: $(settings_line)" "$CONF" \
-      || die "a cluster with other settings is up in $DIR ($(grep '^# settings:' "$CONF")); run '$PROG down' first"
+    grep -qxF "# settings: $(settings_line)" "$CONF" || die "a cluster with other settings is up in $DIR" \
+      "($(grep '^# settings:' "$CONF")); run '$PROG down' first"
   else
     write_conf
   fi
   start_munged
   export SLURM_CONF=$CONF
   pid_alive "$RUN/slurmctld.pid" || /usr/sbin/slurmctld -f "$CONF"
-  local name
+  # Extra virtual nodes get their own hostname (a UTS namespace) where allowed, like separate machines.
+  local name uts=0
+  unshare --uts /bin/true 2>/dev/null && uts=1
   while read -r name; do
     pid_alive "$RUN/slurmd-$name.pid" && continue
-    if [[ $name == localhost || $name == node1 ]]; then
-      /usr/sbin/slurmd -f "$CONF" -N "$name"
+    if ((uts)) && [[ $name != localhost && $name != node1 ]]; then
+      unshare --uts /bin/sh -c \
+        "hostname $(hostname -s)-${name#node} && exec /usr/sbin/slurmd -f $CONF -N $name"
     else
-      # Extra virtual nodes get their own hostname (UTS namespace) where allowed, like separate machines.
-      unshare --uts /bin/sh -c "hostname $(hostname -s)-${name#node}" 2>/dev/null \
-        && unshare --uts /bin/sh -c "hostname $(hostname -s)-${name#node} && exec /usr/sbin/slurmd -f $CONF -N $name" \
-        || /usr/sbin/slurmd -f "$CONF" -N "$name"
+      /usr/sbin/slurmd -f "$CONF" -N "$name"
     fi
   done < <(node_names)
   wait_idle

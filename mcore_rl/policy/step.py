@@ -77,6 +77,38 @@ def _shifted_logprobs(logits: torch.Tensor, mb: PolicyBatch, vocab_size: int, te
     return logp, ent
 
 
+def _scatter_scored(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """[n] values at scored positions -> [b, L] (position t = token t; zeros elsewhere), differentiably."""
+    b, L1 = sel.shape
+    full = values.new_zeros(b, L1).masked_scatter(sel, values)
+    return torch.cat([values.new_zeros(b, 1), full], dim=1)
+
+
+def _head_on_scored_tokens(model_chunk, mb: PolicyBatch, pos: torch.Tensor):
+    """Run the decoder, then the LM head only where a scored token is predicted.
+
+    Prompt positions need no logits; skipping them saves most of the vocab-sized matmul and softmax work
+    (prompts are often longer than answers). Returns (logits [n, 1, V/tp], sel [b, L-1]) or None when the
+    fast path does not apply (not the last stage, or sequence parallel, whose hidden states are scattered).
+    """
+    from mcore_rl.policy.build import unwrap
+
+    gpt = unwrap(model_chunk)
+    if not gpt.post_process or gpt.config.sequence_parallel:
+        return None
+    gpt.post_process = False
+    try:
+        hidden = model_chunk(mb.tokens, pos, None)  # [s, b, h] after the final norm
+    finally:
+        gpt.post_process = True
+    sel = mb.loss_mask[:, 1:] > 0
+    h = hidden.transpose(0, 1)[:, :-1][sel]
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    dtype = gpt.output_layer.weight.dtype if weight is None else weight.dtype
+    logits, _ = gpt.output_layer(h.unsqueeze(1).to(dtype), weight=weight)
+    return logits, sel
+
+
 def run_forward_backward(
     model,
     micro_batches: list[PolicyBatch],
@@ -85,18 +117,26 @@ def run_forward_backward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     forward_only: bool = False,
+    scored_only: bool = True,
 ) -> list[dict]:
     """One pass of Megatron's schedule (1F1B under PP). Returns per-micro-batch outputs on the last stage.
 
     With `loss_fn=None` the pass is forward-only and each output holds {"logp": [b, L]}.
+    `scored_only`: log-probs only where `loss_mask` is 1 (zeros elsewhere); the LM head skips other positions.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = next(model.parameters()).device
     it = iter(micro_batches)
 
-    def loss_func(mb: PolicyBatch, logits: torch.Tensor):
-        logp, ent = _shifted_logprobs(logits, mb, vocab_size, temperature, with_entropy)
+    def loss_func(mb: PolicyBatch, sel: torch.Tensor | None, logits: torch.Tensor):
+        if sel is None:
+            logp, ent = _shifted_logprobs(logits, mb, vocab_size, temperature, with_entropy)
+        else:
+            targets = mb.tokens[:, 1:][sel]
+            lp, en = vocab_parallel_logprobs(logits[:, 0], targets, vocab_size, temperature, with_entropy)
+            logp = _scatter_scored(lp, sel)
+            ent = _scatter_scored(en, sel) if en is not None else None
         if loss_fn is None:
             return logits.new_zeros(()), torch.tensor(1), {"logp": logp.detach()}
         loss, metrics = loss_fn(mb, logp, ent)
@@ -106,8 +146,10 @@ def run_forward_backward(
         mb = next(data_iterator)
         mb = PolicyBatch(mb.tokens.to(device), mb.loss_mask.to(device), {k: v.to(device) for k, v in mb.extras.items()})
         pos = torch.arange(mb.tokens.shape[1], device=device).unsqueeze(0).expand_as(mb.tokens)
-        out = model_chunk(mb.tokens, pos, None)
-        return out, partial(loss_func, mb)
+        fast = _head_on_scored_tokens(model_chunk, mb, pos) if scored_only else None
+        if fast is not None:
+            return fast[0], partial(loss_func, mb, fast[1])
+        return model_chunk(mb.tokens, pos, None), partial(loss_func, mb, None)
 
     first = micro_batches[0].tokens.shape
     return get_forward_backward_func()(

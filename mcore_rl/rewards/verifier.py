@@ -23,7 +23,7 @@ class MathVerifyConfig:
     max_chars: int = 16384  # only the tail of longer responses is looked at (the answer is at the end)
     max_answer_chars: int = 512
     max_nesting: int = 32
-    mp_context: str = "spawn"  # never fork: the trainer holds torch/gloo threads
+    mp_context: str = "forkserver"  # or spawn; never fork (the trainer holds torch/gloo threads)
     max_tasks_per_worker: int = 0  # >0: recycle workers after that many cases (bounds sympy cache growth)
     startup_timeout_s: float = 120.0
 

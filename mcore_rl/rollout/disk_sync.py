@@ -122,13 +122,15 @@ def _finalize_names(tmp: Path, shards: list[tuple[Path, list[str]]], total: int)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    if not out.exists():
+    """Rename the finished temp dir into place (moving an old version aside first), then fsync the parent."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "x")
         os.replace(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.replace(out, old / "x")
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    _fsync(out.parent)
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:

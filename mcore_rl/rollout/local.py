@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.rollout.batch import DecodeBatch
 from mcore_rl.rollout.disk_sync import iter_safetensors
-from mcore_rl.rollout.kv_cache import KVCache, check_full_attention
+from mcore_rl.rollout.kv_cache import check_full_attention
 from mcore_rl.rollout.protocol import (
     PAUSE_MODES,
     GenerationRequest,
@@ -120,10 +121,10 @@ class LocalEngine:
         except (OSError, ValueError, TypeError):
             self.tokenizer = None
         self._params = dict(self.model.state_dict(keep_vars=True))
-        self._num_layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
+        text_config = self.model.config.get_text_config(decoder=True)
+        num_layers, self._vocab = text_config.num_hidden_layers, text_config.vocab_size
         self._max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self._eos = self._eos_ids()
-        self._pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self.max_batch_size = int(max_batch_size)
         self.return_text = return_text
         self._seed_rng = random.Random(seed)
@@ -137,14 +138,10 @@ class LocalEngine:
         self._released = False
         self._closing = False
         self._wake = False
-        self._rid_counter = itertools.count()
         # worker-owned batch state
         self._model_lock = threading.RLock()
-        self._rows: list[_Row] = []
-        self._cache: KVCache | None = None
-        self._mask: torch.Tensor | None = None  # [B, L] bool
-        self._pos: torch.Tensor | None = None  # [B] next position id
-        self._last: torch.Tensor | None = None  # [B] last sampled token
+        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
 
@@ -170,13 +167,15 @@ class LocalEngine:
 
     def abort(self, rid: str | None = None) -> None:
         with self._cv:
-            for row in itertools.chain(self._pending, list(self._admitting), list(self._rows)):
+            for row in itertools.chain(self._pending, list(self._admitting), list(self._batch.rows)):
                 if rid is None or row.req.rid == rid:
                     row.abort_requested = True
             self._wake = True
             self._cv.notify_all()
 
     def pause(self, mode: PauseMode = "abort") -> None:
+        """abort: in-flight samples return now (finish "abort"); in_place / retract: they wait, KV cache kept,
+        and continue after resume() (tokens after a weight update carry the new version). New requests queue."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} not in {PAUSE_MODES}")
         with self._cv:
@@ -184,7 +183,7 @@ class LocalEngine:
         if mode == "abort":
             self.abort(None)
             with self._cv:  # SGLang returns once the aborted requests are out
-                self._cv.wait_for(lambda: not self._rows and not self._admitting, timeout=60)
+                self._cv.wait_for(lambda: not self._batch.rows and not self._admitting, timeout=60)
         with self._model_lock:  # returns once the in-flight decode step is done
             pass
 
@@ -194,6 +193,7 @@ class LocalEngine:
             self._cv.notify_all()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy HF-named tensors in place. Holds decoding for the whole stream, so no step sees half an update."""
         with self._model_lock:
             n = load_named_tensors(self._params, named_tensors)
             self._version = int(version)
@@ -209,10 +209,9 @@ class LocalEngine:
 
     def release_memory(self) -> None:
         with self._cv:
-            if self._rows or self._pending:
+            if self.num_running:
                 raise RuntimeError(
-                    f"release_memory() with {len(self._rows) + len(self._pending)} requests in flight; "
-                    "pause(mode='abort') first"
+                    f"release_memory() with {self.num_running} requests in flight; pause(mode='abort') first"
                 )
             self._released = True
         with self._model_lock:
@@ -237,11 +236,11 @@ class LocalEngine:
             self._cv.notify_all()
         self._worker.join(timeout=60)
         err = RuntimeError("engine closed")
-        for row in itertools.chain(self._pending, self._rows):
+        for row in itertools.chain(self._pending, self._admitting, self._batch.rows):
             if not row.future.done():
                 row.future.set_exception(err)
         self._pending.clear()
-        self._rows = []
+        self._batch.reset()
 
     def __enter__(self) -> LocalEngine:
         return self
@@ -252,7 +251,7 @@ class LocalEngine:
     @property
     def num_running(self) -> int:
         """Samples admitted or queued (SGLang refuses /flush_cache while this is > 0)."""
-        return len(self._rows) + len(self._admitting) + len(self._pending)
+        return len(self._batch) + len(self._admitting) + len(self._pending)
 
     @property
     def paused(self) -> bool:
@@ -276,9 +275,8 @@ class LocalEngine:
             raise ValueError(
                 f"request {req.rid!r}: prompt of {len(req.prompt_ids)} tokens >= context {self._max_len}"
             )
-        vocab = self.model.config.get_text_config(decoder=True).vocab_size
-        if max(req.prompt_ids) >= vocab or min(req.prompt_ids) < 0:
-            raise ValueError(f"request {req.rid!r}: prompt token id out of range [0, {vocab})")
+        if max(req.prompt_ids) >= self._vocab or min(req.prompt_ids) < 0:
+            raise ValueError(f"request {req.rid!r}: prompt token id out of range [0, {self._vocab})")
         seed = sample_seed(sp.seed, j)
         gen = torch.Generator().manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
@@ -334,10 +332,10 @@ class LocalEngine:
                     self._step(admit)
             except Exception as exc:  # fail the affected requests, keep serving
                 log.exception("local engine step failed")
-                for row in itertools.chain(self._rows, admit):
+                for row in itertools.chain(self._batch.rows, admit):
                     if not row.future.done():
                         row.future.set_exception(exc)
-                self._rows, self._cache = [], None
+                self._batch.reset()
             with self._cv:
                 self._admitting = []
                 self._cv.notify_all()
@@ -347,7 +345,7 @@ class LocalEngine:
             return True
         if self._paused or self._released:
             return False
-        return bool(self._rows or self._pending)
+        return bool(self._batch.rows or self._pending)
 
     def _take_pending(self) -> list[_Row]:
         """Move queued rows into the batch (FIFO, up to max_batch_size); resolve queued aborts at once."""
@@ -357,7 +355,7 @@ class LocalEngine:
             row = self._pending.popleft()
             if row.abort_requested:
                 row.future.set_result(self._to_sample(row))
-            elif self._paused or self._released or len(self._rows) + len(out) >= self.max_batch_size:
+            elif self._paused or self._released or len(self._batch) + len(out) >= self.max_batch_size:
                 keep.append(row)
             else:
                 out.append(row)
@@ -367,10 +365,17 @@ class LocalEngine:
 
     def _step(self, admit: list[_Row]) -> None:
         self._retire()  # aborted rows leave before paying for another step
-        if self._rows and not self._paused:
-            self._decode()
+        batch = self._batch
+        if batch.rows and not self._paused:
+            b = len(batch)
+            batch.advance(self._sample(batch.rows, batch.decode()))
+            self.stats.steps += 1
+            self.stats.decode_tokens += b
+            self.stats.batch_sizes.append(b)
         if admit:
-            self._prefill(admit)
+            logits, part = batch.prefill([r.req.prompt_ids for r in admit])
+            batch.add(admit, part, self._sample(admit, logits))
+            self.stats.prefill_tokens += sum(len(r.req.prompt_ids) for r in admit)
         self._retire()
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
@@ -390,74 +395,14 @@ class LocalEngine:
             self._finish_check(row, tok)
         return tokens
 
-    def _decode(self) -> None:
-        b = len(self._rows)
-        self._mask = torch.cat([self._mask, self._mask.new_ones(b, 1)], dim=1)
-        logits = self.model(
-            input_ids=self._last.unsqueeze(1),
-            attention_mask=self._mask,
-            position_ids=self._pos.unsqueeze(1),
-            past_key_values=self._cache,
-            use_cache=True,
-        ).logits[:, -1]
-        self._last = self._sample(self._rows, logits)
-        self._pos = self._pos + 1
-        self.stats.steps += 1
-        self.stats.decode_tokens += b
-        self.stats.batch_sizes.append(b)
-
-    def _prefill(self, rows: list[_Row]) -> None:
-        lengths = [len(r.req.prompt_ids) for r in rows]
-        width = max(lengths)
-        ids = torch.full((len(rows), width), self._pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.bool)
-        for i, (row, n) in enumerate(zip(rows, lengths)):
-            ids[i, width - n :] = torch.tensor(row.req.prompt_ids)
-            mask[i, width - n :] = True
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
-        cache = KVCache(self._num_layers)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        last = self._sample(rows, logits)
-        next_pos = torch.tensor(lengths, device=self.device)
-        self.stats.prefill_tokens += sum(lengths)
-        if not self._rows:
-            self._rows, self._cache, self._mask, self._pos, self._last = rows, cache, mask, next_pos, last
-            return
-        width = max(self._mask.shape[1], mask.shape[1])
-        pad = lambda m: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
-        self._cache = KVCache.merge(self._cache, cache)
-        self._mask = torch.cat([pad(self._mask), pad(mask)])
-        self._pos = torch.cat([self._pos, next_pos])
-        self._last = torch.cat([self._last, last])
-        self._rows = self._rows + rows
-
     def _retire(self) -> None:
-        """Finished / aborted rows leave the batch: index-select the cache, then crop all-padding columns."""
-        for row in self._rows:
+        """Finished / aborted rows leave the batch at once, so later steps get cheaper."""
+        rows = self._batch.rows
+        for row in rows:
             if row.abort_requested and row.finish is None:
                 row.finish = "abort"
-        keep = [i for i, r in enumerate(self._rows) if r.finish is None]
-        if len(keep) == len(self._rows):
-            return
-        done = [r for r in self._rows if r.finish is not None]
-        if keep:
-            idx = torch.tensor(keep, device=self.device)
-            self._cache.select(idx)
-            self._mask, self._pos, self._last = self._mask[idx], self._pos[idx], self._last[idx]
-            lead = int(self._mask.any(dim=0).long().argmax())  # first column any remaining row attends to
-            if lead > 0:
-                self._cache.crop_left(lead)
-                self._mask = self._mask[:, lead:]
-            self._rows = [self._rows[i] for i in keep]
-        else:
-            self._rows, self._cache, self._mask, self._pos, self._last = [], None, None, None, None
-        for row in done:
-            row.future.set_result(self._to_sample(row))
+        done = [r for r in rows if r.finish is not None]
+        if done:
+            self._batch.keep([i for i, r in enumerate(rows) if r.finish is None])
+            for row in done:
+                row.future.set_result(self._to_sample(row))

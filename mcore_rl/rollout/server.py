@@ -12,30 +12,18 @@ import argparse
 import asyncio
 import logging
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
 
 from mcore_rl.rollout.local import LocalEngine
-from mcore_rl.rollout.protocol import PAUSE_MODES, GenerationRequest, Sample, SamplingParams
+from mcore_rl.rollout.protocol import PAUSE_MODES, GenerationRequest, SamplingParams
+from mcore_rl.rollout.server_codec import BadRequest, as_int_version, parse_generate, render_sample
 from mcore_rl.rollout.sglang_api import unknown_fields
 
 log = logging.getLogger("mcore_rl.serve")
 ENGINE = web.AppKey("engine", LocalEngine)
 INFO = web.AppKey("info", dict)
-
-_DIRECT = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "n", "ignore_eos"}
-_TEXT_ONLY = {"skip_special_tokens", "no_stop_trim"}
-# SGLang fields this engine does not implement: accepted only at their neutral value.
-_NEUTRAL = {
-    "min_p": 0.0, "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "json_schema": None, "regex": None,
-}  # fmt: skip
-
-
-class BadRequest(ValueError):
-    pass
 
 
 async def _body(request: web.Request, endpoint: str) -> dict[str, Any]:
@@ -52,138 +40,6 @@ async def _body(request: web.Request, endpoint: str) -> dict[str, Any]:
     if bad:
         raise BadRequest(f"{endpoint}: unknown field(s) {bad}")
     return body
-
-
-def _as_int_version(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise BadRequest(f"{name}={value!r}: mcore-rl-serve tags tokens with integer versions") from None
-
-
-def _per_item(value: Any, n: int, name: str, default: Any) -> list[Any]:
-    if value is None:
-        return [default] * n
-    if isinstance(value, list):
-        if len(value) != n:
-            raise BadRequest(f"{name} has {len(value)} entries for a batch of {n}")
-        return value
-    return [value] * n
-
-
-def _sampling(sp: dict[str, Any], where: str) -> SamplingParams:
-    for key, neutral in _NEUTRAL.items():
-        if sp.get(key, neutral) not in (neutral, None):
-            raise BadRequest(f"{where}.{key}={sp[key]!r} is not supported by mcore-rl-serve")
-    kw = {k: v for k, v in sp.items() if k in _DIRECT}
-    if sp.get("sampling_seed") is not None:
-        kw["seed"] = int(sp["sampling_seed"])
-    try:
-        return SamplingParams(**kw)
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(f"{where}: {exc}") from None
-
-
-def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerationRequest], list[dict], bool]:
-    """SGLang /generate body -> (requests, per-item options, single). Mirrors SGLang's normalisation."""
-    if (body.get("text") is None) == (body.get("input_ids") is None):
-        raise BadRequest("/generate: give exactly one of text or input_ids")
-    for key, ok in (
-        ("logprob_start_len", (None, -1)),
-        ("top_logprobs_num", (None, 0)),
-        ("lora_path", (None,)),
-    ):
-        if any(v not in ok for v in (body.get(key) if isinstance(body.get(key), list) else [body.get(key)])):
-            raise BadRequest(f"/generate: {key}={body.get(key)!r} is not supported by mcore-rl-serve")
-    if body.get("stream"):
-        raise BadRequest("/generate: stream=true is not supported by mcore-rl-serve")
-    if body.get("text") is not None:
-        if tokenizer is None:
-            raise BadRequest("/generate: text input needs a tokenizer; this model folder has none")
-        texts = [body["text"]] if isinstance(body["text"], str) else list(body["text"])
-        prompts = [tokenizer(t)["input_ids"] for t in texts]
-        single = isinstance(body["text"], str)
-    else:
-        ids = body["input_ids"]
-        single = bool(ids) and isinstance(ids[0], int)
-        prompts = [ids] if single else list(ids)
-    if not prompts or any(not isinstance(p, list) or not p for p in prompts):
-        raise BadRequest("/generate: input_ids must be a non-empty list of ints or of non-empty lists")
-    n = len(prompts)
-    sps = _per_item(body.get("sampling_params"), n, "sampling_params", {})
-    rids = body.get("rid")
-    if isinstance(rids, str):
-        rids = [rids] if single else [f"{rids}_{i}" for i in range(n)]
-    rids = _per_item(rids, n, "rid", None)
-    logprob = _per_item(body.get("return_logprob"), n, "return_logprob", False)
-    requests, options = [], []
-    for i, (prompt, sp) in enumerate(zip(prompts, sps)):
-        where = "sampling_params" if single else f"sampling_params[{i}]"
-        params = _sampling(sp or {}, where)
-        try:
-            requests.append(GenerationRequest(prompt, params, rid=rids[i] or uuid.uuid4().hex))
-        except (TypeError, ValueError) as exc:
-            raise BadRequest(f"/generate item {i}: {exc}") from None
-        options.append(
-            {
-                "return_logprob": bool(logprob[i]),
-                "text_in_logprobs": bool(body.get("return_text_in_logprobs")),
-                **{k: sp.get(k) for k in _TEXT_ONLY},
-            }
-        )
-    if len({r.sampling.n for r in requests}) > 1:
-        raise BadRequest("/generate: sampling_params.n must be the same for every item (as in SGLang)")
-    return requests, options, single and requests[0].sampling.n == 1
-
-
-def _finish(sample: Sample) -> dict[str, Any]:
-    if sample.finish_reason == "stop":
-        return {"type": "stop", "matched": sample.matched_stop}
-    if sample.finish_reason == "length":
-        return {"type": "length", "length": len(sample.output_ids)}
-    return {"type": "abort", "message": "Abort request"}
-
-
-def _spans(versions: list[int]) -> list[dict[str, Any]]:
-    spans: list[dict[str, Any]] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == str(v):
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": str(v), "start": i, "end": i + 1})
-    return spans
-
-
-def render_sample(sample: Sample, opts: dict, engine: LocalEngine, t0: float) -> dict[str, Any]:
-    tok = engine.tokenizer
-    text = sample.text
-    if tok is not None and (opts.get("skip_special_tokens") is False or opts.get("no_stop_trim")):
-        text = tok.decode(sample.output_ids, skip_special_tokens=opts.get("skip_special_tokens") is not False)
-    meta: dict[str, Any] = {
-        "id": sample.rid,
-        "finish_reason": _finish(sample),
-        "prompt_tokens": len(sample.prompt_ids),
-        "completion_tokens": len(sample.output_ids),
-        "cached_tokens": 0,
-        "weight_version": str(
-            sample.weight_versions[-1] if sample.weight_versions else engine.weight_version
-        ),
-        "weight_versions": _spans(sample.weight_versions),
-        "e2e_latency": time.perf_counter() - t0,
-    }
-    if opts["return_logprob"]:
-        piece = (
-            (lambda t: tok.decode([t]))
-            if (opts["text_in_logprobs"] and tok is not None)
-            else (lambda t: None)
-        )
-        meta["input_token_logprobs"] = []
-        meta["output_token_logprobs"] = [
-            [lp, t, piece(t)] for lp, t in zip(sample.output_logprobs, sample.output_ids)
-        ]
-    return {"text": text if text is not None else "", "output_ids": sample.output_ids, "meta_info": meta}
 
 
 # ---------------------------------------------------------------------- handlers
@@ -215,7 +71,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     body = await _body(request, "/update_weights_from_disk")
     if not body.get("model_path"):
         raise BadRequest("/update_weights_from_disk: model_path is required")
-    version = _as_int_version(body.get("weight_version"), "weight_version")
+    version = as_int_version(body.get("weight_version"), "weight_version")
     if body.get("abort_all_requests"):
         engine.abort(None)
     try:
@@ -232,7 +88,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def update_weight_version(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = await _body(request, "/update_weight_version")
-    version = _as_int_version(body.get("new_version"), "new_version")
+    version = as_int_version(body.get("new_version"), "new_version")
     if version is None:
         raise BadRequest("/update_weight_version: new_version is required")
     if body.get("abort_all_requests", True):

@@ -25,18 +25,9 @@ from typing import Any
 import aiohttp
 import torch
 
-from mcore_rl.rollout import disk_sync
+from mcore_rl.rollout import sglang_sync
 from mcore_rl.rollout.protocol import GenerationRequest, PauseMode, Sample, expand_requests, register_engine
-from mcore_rl.rollout.sglang_api import (
-    bucket_named_tensors,
-    check_payload,
-    distributed_update_payload,
-    generate_payload,
-    init_group_payload,
-    parse_sample,
-    serialize_named_tensors,
-    tensor_update_payload,
-)
+from mcore_rl.rollout.sglang_api import check_payload, generate_payload, init_group_payload, parse_sample
 
 log = logging.getLogger(__name__)
 
@@ -297,8 +288,8 @@ class SGLangEngine:
         every server can read), tensor (colocated CUDA IPC), nccl (broadcast; `nccl` = {master_address,
         master_port, backend} to create the group on first use).
         """
-        if weight_sync not in self._SYNC:
-            raise ValueError(f"weight_sync={weight_sync!r} not in {sorted(self._SYNC)}")
+        if weight_sync not in sglang_sync.WEIGHT_SYNC:
+            raise ValueError(f"weight_sync={weight_sync!r} not in {sorted(sglang_sync.WEIGHT_SYNC)}")
         self._launcher = None
         if not worker_urls and launcher is not None:
             from mcore_rl.rollout.launcher import LauncherConfig, ServerLauncher
@@ -316,8 +307,7 @@ class SGLangEngine:
         self._seeds = random.Random(seed) if seed is not None else None
         self._lt = _LoopThread()
         self.client = AsyncSGLangClient(self.cfg, on_payload=on_payload, version=weight_version)
-        self._group = None
-        self._group_name = "weight_update_group"
+        self.groups: dict[str, Any] = {}  # group_name -> process group (NCCL weight sync)
 
     def _seeded(self, requests: Sequence[GenerationRequest]) -> list[GenerationRequest]:
         if self._seeds is None:
@@ -378,7 +368,7 @@ class SGLangEngine:
         self._lt.run(self.client.update_weights_from_disk(path, version))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self._SYNC[self.weight_sync](self, named_tensors, version)
+        sglang_sync.WEIGHT_SYNC[self.weight_sync](self, named_tensors, version)
 
     def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
         self._lt.run(self.client.update_weight_version(version, abort_all_requests))
@@ -398,79 +388,22 @@ class SGLangEngine:
         self.close()
 
     # ------------------------------------------------------------------ weight sync
-    def _sync_disk(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Write a versioned safetensors folder the servers can read, load it, prune old versions."""
-        if not self.weight_dir:
-            raise ValueError("weight_sync='disk' needs weight_dir (a folder every server can read)")
-        path = disk_sync.write_hf_folder(
-            named_tensors, disk_sync.versioned_dir(self.weight_dir, version), config_dir=self.model_path,
-            bucket_mb=self.bucket_bytes / 2**20, overwrite=True,
-        )  # fmt: skip
-        self.update_weights_from_disk(str(path), version)
-        disk_sync.prune_versions(self.weight_dir, self.keep_versions)
-
-    def _sync_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Colocated: ship CUDA IPC handles bucket by bucket; the last bucket carries the version."""
-        buckets = list(bucket_named_tensors(named_tensors, self.bucket_bytes))
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            payload = tensor_update_payload(
-                [serialize_named_tensors(bucket)] * self.tp_size, version if last else None, flush_cache=last
-            )
-            for url in self.cfg.worker_urls:
-                self._lt.run(self.client.update_weights_from_tensor(url, payload))
-        self.client.weight_version = int(version)
-
     def init_weights_update_group(
         self,
         master_address: str,
         master_port: int,
         group_name: str = "weight_update_group",
         backend: str = "nccl",
-    ) -> None:
-        """Create the trainer(rank 0)<->engines group: the HTTP calls and our rendezvous run concurrently."""
-        from mcore_rl.rollout.dist_group import init_weight_update_group
+    ):
+        """Join every server and this process (rank 0) in a side group for broadcasts; returns the group.
 
-        tp_sizes = [self.tp_size] * len(self.cfg.worker_urls)
-        fut = self._lt.submit(
-            self.client.init_weights_update_group(master_address, master_port, tp_sizes, group_name, backend)
-        )
-        self._group = init_weight_update_group(
-            master_address, master_port, 0, 1 + sum(tp_sizes), group_name, backend
-        )
-        self._group_name = group_name
-        fut.result()
+        For pipeline parallelism, each PP stage's source rank makes its own engine client and group (own port
+        and group_name) and calls update_weights_from_distributed with that stage's tensors.
+        """
+        return sglang_sync.init_group(self, master_address, master_port, group_name, backend)
 
     def update_weights_from_distributed(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        group=None,
-        group_name: str | None = None,
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, group_name: str | None = None
     ) -> None:
-        """Announce each bucket over HTTP while broadcasting its tensors from rank 0 (one call per PP stage)."""
-        import torch.distributed as dist
-
-        group, group_name = group or self._group, group_name or self._group_name
-        if group is None:
-            raise RuntimeError("call init_weights_update_group() before update_weights_from_distributed()")
-        buckets = list(bucket_named_tensors(named_tensors, self.bucket_bytes))
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            payload = distributed_update_payload(
-                bucket, group_name, version if last else None, flush_cache=last
-            )
-            fut = self._lt.submit(self.client.update_weights_from_distributed(payload))
-            for _, t in bucket:
-                dist.broadcast(t.contiguous(), src=0, group=group)
-            fut.result()
-        self.client.weight_version = int(version)
-
-    def _sync_nccl(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        if self._group is None:
-            if not self.nccl.get("master_address") or not self.nccl.get("master_port"):
-                raise ValueError("weight_sync='nccl' needs nccl.master_address and nccl.master_port")
-            self.init_weights_update_group(**self.nccl)
-        self.update_weights_from_distributed(named_tensors, version)
-
-    _SYNC: dict[str, Callable[..., None]] = {"disk": _sync_disk, "tensor": _sync_tensor, "nccl": _sync_nccl}
+        """Announce each bucket over HTTP while broadcasting its tensors from rank 0 of the group."""
+        sglang_sync.broadcast_update(self, named_tensors, version, group_name)

@@ -109,3 +109,23 @@ def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+# checkpoints shared by the test modules: Qwen2 written by 2 TP ranks, Qwen3 by 2 PP ranks
+CONVERTED_AT = {"qwen2": (2, 1), "qwen3": (1, 2)}
+
+
+def _convert(hf: Path, out: Path, name: str) -> Path:
+    tp, pp = CONVERTED_AT[name]
+    run_cli("hf-to-mcore", "--hf", hf, "--out", out, "--tp", tp, "--pp", pp)
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen2_ckpt(qwen2_dir, tmp_path_factory) -> Path:
+    return _convert(qwen2_dir, tmp_path_factory.mktemp("qwen2_mcore") / "ckpt", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(qwen3_dir, tmp_path_factory) -> Path:
+    return _convert(qwen3_dir, tmp_path_factory.mktemp("qwen3_mcore") / "ckpt", "qwen3")

@@ -94,13 +94,6 @@ def test_bad_max_shard_size(tmp_path, capsys):
     assert "--max-shard-size 'lots'" in _err(capsys)
 
 
-@pytest.fixture(scope="module")
-def qwen2_ckpt(qwen2_dir, tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp("err_ckpt") / "ckpt"
-    run_cli("hf-to-mcore", "--hf", qwen2_dir, "--out", ckpt)
-    return ckpt
-
-
 def test_export_refuses_existing_output_unless_force(qwen2_ckpt, qwen2_dir, tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
@@ -112,6 +105,7 @@ def test_export_refuses_existing_output_unless_force(qwen2_ckpt, qwen2_dir, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
+@pytest.mark.slow
 def test_rank_error_comes_back_as_one_line(qwen2_ckpt, tiny_llama_dir, tmp_path):
     """A failure inside spawned ranks (here: loading a Qwen2 checkpoint into a Llama-shaped model) is reported
     as one line with exit code 2, and no worker survives."""
@@ -134,7 +128,7 @@ def test_export_with_wrong_config_names_tensor_and_shapes(qwen2_ckpt, tmp_path, 
     assert main(["mcore-to-hf", "--ckpt", str(qwen2_ckpt), "--out", str(tmp_path / "o"),
                  "--hf-config", str(cfg_dir)]) == 2
     line = _err(capsys)
-    assert "embedding.word_embeddings.weight" in line and "(1152, 64)" in line and "(1100, 96)" in line
+    assert "embedding.word_embeddings.weight" in line and "(1280, 64)" in line and "(1100, 96)" in line
     assert not (tmp_path / "o").exists()
 
 
@@ -182,9 +176,9 @@ def test_killed_conversion_leaves_no_complete_checkpoint(tmp_path):
     """SIGKILL the whole conversion (2 spawned ranks) while it writes; rerun without --force succeeds."""
     from tests.conftest import tiny_llama_config
 
-    hf = save_random_model(tmp_path / "hf", tiny_llama_config(hidden_size=512, intermediate_size=2048,
-                                                             num_hidden_layers=8, num_attention_heads=8,
-                                                             num_key_value_heads=4, vocab_size=16384))
+    hf = save_random_model(tmp_path / "hf", tiny_llama_config(hidden_size=384, intermediate_size=1536,
+                                                             num_hidden_layers=6, num_attention_heads=6,
+                                                             num_key_value_heads=2, vocab_size=8192))
     out = tmp_path / "ckpt"
     staging = tmp_path / ".ckpt.partial.tmp"
     cmd = [sys.executable, str(CLI), "--quiet", "hf-to-mcore", "--hf", str(hf), "--out", str(out), "--tp", "2"]
@@ -207,4 +201,4 @@ def test_killed_conversion_leaves_no_complete_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]
     back = tmp_path / "back"
     assert main(["--quiet", "mcore-to-hf", "--ckpt", str(out), "--out", str(back)]) == 0
-    assert assert_same_hf_tensors(hf, back) == 8 * 9 + 2
+    assert assert_same_hf_tensors(hf, back) == 6 * 9 + 2

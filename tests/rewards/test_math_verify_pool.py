@@ -126,6 +126,14 @@ def test_adversarial_reasons(reward, caplog):
     assert any(rec.levelno == logging.WARNING and "(timeout)" in rec.getMessage() for rec in caplog.records)
 
 
+def test_workers_are_reused_across_calls(reward):
+    reward.score(["1 + 1 = 2"], ["2"])
+    pids, respawns = reward.pool.pids(), reward.pool.respawns
+    for _ in range(3):
+        assert [r.score for r in reward.score(["2 + 2 = 4", "2 + 2 = 5"], ["4", "4"])] == [1.0, 0.0]
+    assert reward.pool.pids() == pids and reward.pool.respawns == respawns
+
+
 def test_length_mismatch_is_an_error(reward):
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         reward.score(["1", "2"], ["1"])
@@ -143,6 +151,8 @@ def test_stuck_worker_is_killed_and_replaced():
         wall = time.perf_counter() - t0
         assert [r[0][2] for r in out] == ["timeout"] + ["correct"] * 20 + ["timeout"]
         assert max(lat for _, lat in out) <= 1.5 + 1.0
+        assert min(lat for _, lat in (out[0], out[-1])) >= 1.5  # killed at the deadline, not before
+        assert max(lat for _, lat in out[1:-1]) < 1.0  # the other worker kept serving during the hang
         assert pool.respawns == 2
         killed = pids_before - set(pool.pids())
         assert len(killed) >= 1 and not _wait_dead(killed, 5.0)
@@ -188,8 +198,18 @@ def test_worker_death_scores_crash_and_recovers():
         pool.close()
 
 
+def test_workers_are_recycled_after_max_tasks():
+    pool = VerifierPool(num_workers=1, timeout_s=5.0, max_tasks_per_worker=3)
+    try:
+        out = pool.map([(f"{i} + 1 = {i + 1}", str(i + 1)) for i in range(7)])
+        assert [r[0][0] for r in out] == [1.0] * 7
+        assert pool.respawns == 2  # after cases 3 and 6
+    finally:
+        pool.close()
+
+
 def test_close_stops_workers_and_rejects_calls():
-    fn = MathVerifyReward(MathVerifyConfig(num_workers=2, timeout_s=2.0))
+    fn = MathVerifyReward(MathVerifyConfig(num_workers=2, timeout_s=2.0, mp_context="spawn"))  # the other context
     assert [r.score for r in fn.score(["1 + 2 = 3"], ["3"])] == [1.0]
     pids = fn.pool.pids()
     fn.close()

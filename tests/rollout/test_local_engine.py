@@ -232,3 +232,26 @@ def test_smollm2_text_and_stop_string(smollm2_dir):
         model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
         ref = forward_logprobs(model, prompt, free.output_ids, 1.0)
         assert (torch.tensor(free.output_logprobs) - ref).abs().max().item() < 1e-4
+
+
+def engine_kwargs_from_yaml(name: str, **overrides) -> tuple[str, dict]:
+    """What the trainer does with hydra_conf/rollout/<name>.yaml: resolve, pop its own keys, pass the rest."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    yaml = Path(__file__).resolve().parents[2] / "hydra_conf" / "rollout" / f"{name}.yaml"
+    cfg = OmegaConf.merge(
+        {"run": {"dir": "/tmp/mcore-rl-run"}}, {"rollout": OmegaConf.load(yaml)}, {"rollout": overrides}
+    )
+    rc = OmegaConf.to_container(cfg.rollout, resolve=True)
+    engine = rc.pop("engine")
+    rc.pop("sync_mode"), rc.pop("sync_dir")
+    return engine, rc
+
+
+def test_local_yaml_builds_the_engine(tiny_dir):
+    name, kwargs = engine_kwargs_from_yaml("local")
+    with build_engine(name, model_path=str(tiny_dir), seed=5, **kwargs) as eng:
+        assert isinstance(eng, LocalEngine)
+        assert eng.generate([req([1, 2, 3], max_new_tokens=3, ignore_eos=True)])[0].num_output_tokens == 3

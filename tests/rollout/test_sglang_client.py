@@ -4,8 +4,10 @@ against an in-process fake, and the NCCL weight-sync path with gloo against a fa
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import pickle
 import threading
 import time
 import urllib.error
@@ -110,6 +112,16 @@ def test_submit_futures_and_engine_seed(served, tiny_dir):
     assert outs[0] == outs[1] and outs[0][0] != outs[0][1]  # engine seed -> reproducible, distinct samples
 
 
+def test_sglang_yaml_builds_the_engine(served, tiny_dir):
+    from mcore_rl.rollout.protocol import build_engine
+    from tests.rollout.test_local_engine import engine_kwargs_from_yaml
+
+    name, kwargs = engine_kwargs_from_yaml("sglang", worker_urls=served.worker_urls)
+    with build_engine(name, model_path=str(tiny_dir), seed=5, **kwargs) as eng:
+        assert isinstance(eng, SGLangEngine) and eng._launcher is None  # running servers given: no launch
+        assert eng.generate([greedy([1, 2, 3], 3)])[0].num_output_tokens == 3
+
+
 def test_abort_in_flight_request(client, served):
     out = {}
     long = GenerationRequest([3, 4], SamplingParams(max_new_tokens=500, ignore_eos=True), rid="long")
@@ -191,6 +203,9 @@ def test_every_payload_uses_only_sglang_fields(client, served):
     assert {"/generate", "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
             "/update_weights_from_disk", "/update_weight_version", "/release_memory_occupation",
             "/resume_memory_occupation"} <= seen  # fmt: skip
+    # the tensor payload is SGLang's MultiprocessingSerializer format: base64(ForkingPickler dump)
+    ((name, t),) = pickle.loads(base64.b64decode(built[0][1]["serialized_named_tensors"][0]))
+    assert name == "w" and torch.equal(t, torch.ones(2)) and built[0][1]["weight_version"] == "3"
     # the guard really guards, on both sides of the wire
     with pytest.raises(ValueError, match=r"sampling_params.seed"):
         check_payload("/generate", {"input_ids": [1], "sampling_params": {"seed": 1}})
@@ -273,16 +288,16 @@ def test_update_weights_from_distributed_with_gloo(tmp_path):
         ("lm_head.weight", torch.randn(7, 32).bfloat16())
     ]
     with ServerLauncher(cfg) as launcher:
+        nccl = {"master_address": "127.0.0.1", "master_port": free_port(), "backend": "gloo"}
         eng = SGLangEngine(
-            launcher.worker_urls,
-            weight_sync="nccl",
-            bucket_mb=0.01,
+            launcher.worker_urls, weight_sync="nccl", nccl=nccl, bucket_mb=0.01,
             on_payload=lambda e, p: RECORDED.append((e, p)),
-        )
+        )  # fmt: skip
         try:
-            eng.init_weights_update_group("127.0.0.1", free_port(), backend="gloo")
-            eng.update_weights(iter(named), version=3)
-            assert eng.weight_version == 3
+            eng.update_weights(iter(named), version=3)  # joins the group (ranks 0, 1, 2) on first use
+            assert eng.weight_version == 3 and list(eng.groups) == ["weight_update_group"]
+            joins = sorted(p["rank_offset"] for e, p in RECORDED if e == "/init_weights_update_group")[-2:]
+            assert joins == [1, 2]
             for url in launcher.worker_urls:
                 calls = get_json(url + "/server_info")["calls"]
                 # 4 KiB tensors in 10 KiB buckets: two per bucket; version and flush ride on the last one

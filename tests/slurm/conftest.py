@@ -12,7 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,9 +23,19 @@ TRAIN_SBATCH = REPO / "slurm" / "train.sbatch"
 FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
 FAKE_SGLANG = Path(__file__).with_name("fake_sglang.py")
 # Small batches for the real trainer (`model=tiny`): integration, not learning; ~25 s instead of ~60 s.
-REAL_FAST = ["model=tiny", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8",
-             "eval.num_prompts=2", "eval.samples_per_prompt=2", "eval.max_new_tokens=8", "trainer.export_hf=false"]
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+REAL_FAST = [
+    "model=tiny", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8",
+    "eval.num_prompts=2", "eval.samples_per_prompt=2", "eval.max_new_tokens=8", "trainer.export_hf=false",
+]
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE"}
+# A requeued job passes through PENDING/REQUEUED; wait for one of these when a requeue is expected.
+FINAL_AFTER_REQUEUE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}
+
+
+def outcome(info: dict[str, str]) -> tuple[str, str, str]:
+    """(state, exit code, restarts) of a job, e.g. ("COMPLETED", "0:0", "1")."""
+    return info.get("JobState", "?"), info.get("ExitCode", "?"), info.get("Restarts", "?")
 
 
 def free_port(span: int = 1) -> int:
@@ -52,10 +62,10 @@ class LocalSlurm:
 
     folder: Path
     env: dict[str, str]
-    submitted: list[str] = field(default_factory=list)
 
     def run(self, *cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        proc = subprocess.run(cmd, env=kw.pop("env", self.env), capture_output=True, text=True, timeout=60, **kw)
+        env = kw.pop("env", self.env)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, **kw)
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr}")
         return proc
@@ -65,16 +75,14 @@ class LocalSlurm:
         job_env = {**self.env, "MCORE_RL_RDZV_PORT": str(free_port()), **(env or {})}
         proc = self.run("sbatch", "--parsable", f"--nodes={nodes}", f"--output={workdir}/%x-%j.out",
                         str(TRAIN_SBATCH), *args, env=job_env, cwd=workdir)
-        job_id = proc.stdout.strip().split(";")[0]
-        self.submitted.append(job_id)
-        return job_id
+        return proc.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict[str, str]:
         out = self.run("scontrol", "show", "job", "-o", job_id).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
     def wait(self, job_id: str, timeout: float, until=None) -> dict[str, str]:
-        """Poll until the job is in a terminal state (or `until(info)` holds); fail with its log on timeout."""
+        """Poll until the job ends (or `until(info)` holds); on timeout fail with the job's log."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
         while time.monotonic() < deadline:
@@ -109,7 +117,8 @@ def slurm_cluster(tmp_path_factory) -> LocalSlurm:
     leaky = ("SLURM_", "SBATCH_", "SRUN_", "SGLANG_", "MCORE_RL_TRAIN", "MCORE_RL_RUN", "MCORE_RL_NPROC")
     for key in [k for k in env if k.startswith(leaky)]:
         env.pop(key)
-    up = subprocess.run(["bash", str(LOCAL_CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=120)
+    up = subprocess.run(["bash", str(LOCAL_CLUSTER), "up"], env=env, capture_output=True, text=True,
+                        timeout=120)
     if up.returncode != 0:
         logs = "\n".join(p.read_text()[-2000:] for p in (folder / "log").glob("*.log"))
         subprocess.run(["bash", str(LOCAL_CLUSTER), "down"], env=env, capture_output=True, timeout=120)

@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--fake-delay", type=float, default=0.0)
     args, rest = ap.parse_known_args()
     run_dir = Path(os.environ["MCORE_RL_RUN_DIR"])
-    record = {"argv": rest, "port": args.port, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME")}
+    record = {"argv": rest, "port": args.port, "host": socket.gethostname(),
+              "node": os.environ.get("SLURMD_NODENAME")}
     (run_dir / f"fake_sglang-{args.port}.json").write_text(json.dumps(record))
     time.sleep(args.fake_delay)
     ThreadingHTTPServer((args.host, args.port), Health).serve_forever()

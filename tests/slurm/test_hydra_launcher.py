@@ -20,7 +20,8 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install
 def multirun(slurm: LocalSlurm, app: list[str], sweep_dir, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *app, "-m", f"hydra.searchpath=[file://{REPO}/hydra_conf]", "hydra/launcher=slurm",
            f"hydra.sweep.dir={sweep_dir}", *overrides]
-    proc = subprocess.run(cmd, env=slurm.env, cwd=sweep_dir.parent, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=slurm.env, cwd=sweep_dir.parent, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FAKE_SGLANG, FAKE_TRAINER, LOCAL_CLUSTER, REAL_FAST, TRAIN_SBATCH, LocalSlurm, free_port
+from .conftest import (
+    FAKE_SGLANG,
+    FAKE_TRAINER,
+    LOCAL_CLUSTER,
+    REAL_FAST,
+    TRAIN_SBATCH,
+    LocalSlurm,
+    free_port,
+    outcome,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -58,7 +67,7 @@ def test_bad_layout_fails_job_with_exit_2(slurm: LocalSlurm, tmp_path):
     """Errors only Slurm can reveal (node counts) end the job with exit 2 and a readable message."""
     job = slurm.sbatch(tmp_path, "model=tiny", env={"SGLANG_NODES": "1", "SGLANG_MODEL": "m"})
     info = slurm.wait(job, timeout=60)
-    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0")
+    assert outcome(info)[:2] == ("FAILED", "2:0")
     log = slurm.log(info)
     assert "SGLANG_NODES=1 leaves no trainer node in a 1-node job" in log and "Traceback" not in log
 
@@ -68,7 +77,7 @@ def test_two_nodes_torchrun_completes(slurm: LocalSlurm, tmp_path):
     env = {"MCORE_RL_TRAIN_CMD": str(FAKE_TRAINER)}
     job = slurm.sbatch(tmp_path, "trainer.steps=3", "fake.dist=true", env=env, nodes=2)
     info = slurm.wait(job, timeout=120)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), slurm.log(info)
+    assert outcome(info) == ("COMPLETED", "0:0", "0"), slurm.log(info)
     run_dir = tmp_path / "runs" / f"mcore-rl-{job}"
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_3"
@@ -91,7 +100,7 @@ def test_sglang_nodes_and_router(slurm: LocalSlurm, tmp_path):
     }
     job = slurm.sbatch(tmp_path, "trainer.steps=1", env=env, nodes=2)
     info = slurm.wait(job, timeout=120)
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), slurm.log(info)
+    assert outcome(info)[:2] == ("COMPLETED", "0:0"), slurm.log(info)
     run_dir = tmp_path / "runs" / f"mcore-rl-{job}"
     server = json.loads((run_dir / f"fake_sglang-{port}.json").read_text())
     router = json.loads((run_dir / f"fake_sglang-{router_port}.json").read_text())
@@ -108,7 +117,7 @@ def test_sglang_nodes_and_router(slurm: LocalSlurm, tmp_path):
 def test_real_trainer_completes(slurm: LocalSlurm, tmp_path):
     job = slurm.sbatch(tmp_path, *REAL_FAST, "trainer.steps=2")
     info = slurm.wait(job, timeout=300)
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), slurm.log(info)
+    assert outcome(info)[:2] == ("COMPLETED", "0:0"), slurm.log(info)
     run_dir = tmp_path / "runs" / f"mcore-rl-{job}"
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")][-1] == 2
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
