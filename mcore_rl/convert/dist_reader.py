@@ -37,12 +37,24 @@ class _BoxPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
+class _CachedMetadataReader(FileSystemReader):
+    """The .metadata pickle is read once per checkpoint, not once per layer."""
+
+    def __init__(self, path: str, metadata):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        return self._metadata
+
+
 class DistCheckpointReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not (self.path / ".metadata").is_file():
             raise FileNotFoundError(f"{self.path}: no .metadata file; not a torch_dist checkpoint")
         md = FileSystemReader(str(self.path)).read_metadata()
+        self.metadata = md
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         for key, m in md.state_dict_metadata.items():
@@ -63,5 +75,5 @@ class DistCheckpointReader:
             raise ValueError("each checkpoint key may be requested once per read")
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp_load(dst, storage_reader=FileSystemReader(str(self.path)), planner=_BoxPlanner(offsets), no_dist=True)
+            dcp_load(dst, storage_reader=_CachedMetadataReader(str(self.path), self.metadata), planner=_BoxPlanner(offsets), no_dist=True)
         return {name: dst[key] for name, (key, _, _) in boxes.items()}

@@ -37,6 +37,16 @@ class HFReader:
             )
         self._handles: dict[str, object] = {}
 
+    def close(self) -> None:
+        """Drop the safetensors handles (their memory maps count towards RSS while open)."""
+        self._handles.clear()
+
+    def __enter__(self) -> HFReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def names(self) -> list[str]:
         return list(self.weight_map)
 

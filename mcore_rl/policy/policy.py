@@ -41,7 +41,8 @@ class Policy:
         return unwrap(self.model)
 
     def load_hf(self, folder: str | Path) -> int:
-        n = load_hf_into_model(self.model, self.family, self.args, HFReader(folder))
+        with HFReader(folder) as reader:
+            n = load_hf_into_model(self.model, self.family, self.args, reader)
         self._sync_main_params()
         return n
 

@@ -38,7 +38,8 @@ def train(run) -> dict[str, float]:
             rb, rollout_metrics = run.score(samples, prompts)
         adv = alg.advantages(rb.rewards, rb.group_ids, lengths=rb.response_len)
         if run.staged:
-            run.engine_call("release_memory")
+            with timed(times, "time_switch"):
+                run.engine_call("release_memory")
         with timed(times, "time_old_logp"):
             anchors = run.anchors(rb)  # old_logp (recompute) and ref_logp for the whole round
         for u in range(n_up):
@@ -51,7 +52,7 @@ def train(run) -> dict[str, float]:
                                  cfg.trainer.temperature, run.ewma)
             run.update += 1
             metrics["time_train"] = time.perf_counter() - t0
-            metrics.update({k: v / n_up for k, v in times.items()})  # round phases spread over its updates
+            metrics.update({k: v / n_up for k, v in times.items() if k != "time_switch"})  # spread over the round
             metrics.update(rollout_metrics)
             metrics.update({"adv_" + k: v for k, v in adv.metrics.items()})
             metrics["zero_variance_groups_dropped"] = float(adv.num_zero_variance_groups)
@@ -59,11 +60,14 @@ def train(run) -> dict[str, float]:
             if u < n_up - 1:
                 run.log(metrics)
         if run.staged:
-            run.engine_call("resume_memory")
+            with timed(times, "time_switch"):
+                run.engine_call("resume_memory")
         with timed(times, "time_sync"):
             sync_metrics = run.sync_weights()
         last.update(sync_metrics)
-        last["time_sync"] = times["time_sync"] / n_up
+        last["time_sync"] = times["time_sync"]  # after the round's updates: all of it lands on the last record
+        if run.staged:
+            last["time_switch"] = times["time_switch"]
         last["tokens_per_s"] = rollout_metrics.get("rollout_tokens", 0.0) / max(sum(times.values()), 1e-9)
         run.log(last)
         run.maybe_evaluate()

@@ -126,8 +126,8 @@ class Run:
                 self.ewma.load_state_dict(extra["ewma"])
             if self.rank == 0:
                 self.data.load_state_dict(t["data"])
-                if "algorithm" in t and hasattr(self.algorithm, "load_state_dict"):
-                    self.algorithm.load_state_dict(t["algorithm"])
+            if t.get("algorithm") is not None:
+                self.algorithm.load_state_dict(t["algorithm"])
             log.warning("resumed from %s at update %d", ckpt, self.update)
             need_sync = True
         if need_sync:
@@ -261,6 +261,7 @@ class Run:
         st = {"update": self.update, "round": self.round, "version": self.version, "next_eval": self.next_eval}
         if self.rank == 0:
             st["data"] = self.data.state_dict()
+            st["algorithm"] = self.algorithm.state_dict()
         return st
 
     def checkpoint(self) -> Path:

@@ -34,13 +34,27 @@ def _broadcast_from_last_stage(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+ADDITIVE = ("loss", "pg_loss")  # micro-batch losses are pre-normalised terms of one sum
+
+
 def mean_metrics(dicts: list[dict]) -> dict[str, float]:
+    """Combine per-micro-batch metrics: sums for loss terms, max/min for *_max/*_min, means otherwise."""
     acc: dict[str, list[float]] = defaultdict(list)
     for d in dicts:
         for k, v in d.items():
             if isinstance(v, (int, float)):
                 acc[k].append(float(v))
-    return {k: sum(v) / len(v) for k, v in acc.items() if v}
+    out = {}
+    for k, v in acc.items():
+        if k in ADDITIVE:
+            out[k] = sum(v)
+        elif k.endswith("_max"):
+            out[k] = max(v)
+        elif k.endswith("_min"):
+            out[k] = min(v)
+        else:
+            out[k] = sum(v) / len(v)
+    return out
 
 
 def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tensor, keep: torch.Tensor,

@@ -111,11 +111,14 @@ def test_multirun_all_algorithms(tmp_path):
     ("algorithm.name=nope", "nope"),
     ("trainer.steps=-1", "trainer.steps=-1 must be >= 0"),
     ("parallel.tp=3", "parallel.tp=3 does not divide num_attention_heads=4"),
-    ("data.answer_field=missing_field", "missing_field"),
+    ("data.answer_field=solution", "solution"),
 ])
 def test_bad_config_one_clear_line(override, needle, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n' * 4)
+    extra = ["data=jsonl", f"data.path={data}"] if override.startswith("data.") else []
     t0 = time.time()
-    proc = run(train_cmd(override, f"run.dir={tmp_path}"), timeout=120)
+    proc = run(train_cmd(*extra, override, f"run.dir={tmp_path / 'run'}"), timeout=120)
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
