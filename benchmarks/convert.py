@@ -41,15 +41,18 @@ def raw_copy(sources: list[Path], dst: Path) -> int:
                     total += len(chunk)
         out.flush()
         os.fsync(out.fileno())
-    dst.unlink()
     return total
 
 
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+def timed(fn: Callable[[Path], object], out: Path, repeats: int) -> list[float]:
+    """Each run writes a fresh `out` (deleting the previous result is not part of the timing)."""
     times = []
     for _ in range(repeats):
+        if out.is_file():
+            out.unlink()
+        shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
-        fn()
+        fn(out)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -66,7 +69,7 @@ def main() -> None:
     ap.add_argument("--hf", default=None, help="HF folder (default: SmolLM2-135M-Instruct fp32)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workdir", default=None, help="where outputs go (default: a temp dir in /tmp)")
     a = ap.parse_args()
 
@@ -86,16 +89,16 @@ def main() -> None:
         t0 = time.perf_counter()
         hf_to_mcore(hf, ckpt, a.tp, a.pp, force=True, progress=False)  # warm-up: imports, page cache
         first = time.perf_counter() - t0
-        conv = timed(lambda: hf_to_mcore(hf, ckpt, a.tp, a.pp, force=True, progress=False), a.repeats)
-        raw = timed(lambda: raw_copy(src_files, work / "raw.bin"), a.repeats)
+        conv = timed(lambda out: hf_to_mcore(hf, out, a.tp, a.pp, progress=False), ckpt, a.repeats)
+        raw = timed(lambda out: raw_copy(src_files, out), work / "raw.bin", a.repeats)
         print(f"model={hf.name} tp={a.tp} pp={a.pp} workdir={work} cpus={os.cpu_count()}")
         print(f"hf-to-mcore first run (with imports/process start) {first:.2f}s")
         report("hf-to-mcore", nbytes, conv, raw)
 
         ck_files = files_of(ckpt, (".distcp",))
         mcore_to_hf(ckpt, back, force=True, progress=False)  # warm-up
-        conv = timed(lambda: mcore_to_hf(ckpt, back, force=True, progress=False), a.repeats)
-        raw = timed(lambda: raw_copy(ck_files, work / "raw.bin"), a.repeats)
+        conv = timed(lambda out: mcore_to_hf(ckpt, out, progress=False), back, a.repeats)
+        raw = timed(lambda out: raw_copy(ck_files, out), work / "raw.bin", a.repeats)
         report("mcore-to-hf", sum(p.stat().st_size for p in ck_files), conv, raw)
     finally:
         shutil.rmtree(work, ignore_errors=True)

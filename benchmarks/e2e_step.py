@@ -21,6 +21,9 @@ PHASES = ("time_generate", "time_reward", "time_old_logp", "time_train", "time_s
 
 
 def main() -> None:
+    from mcore_rl.compat.malloc import tune_malloc
+
+    tune_malloc()  # before torch starts threads
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
     a, extra = ap.parse_known_args()
@@ -46,7 +49,10 @@ def main() -> None:
     for k in PHASES:
         print(f"  {k.removeprefix('time_'):>10}: {statistics.median(r.get(k, 0.0) for r in steady):6.2f} s")
     print(f"  rollout tokens/step: {statistics.median(r['rollout_tokens'] for r in steady):.0f}")
-    print(f"peak RSS: trainer {peak_self:.2f} GB, largest child {peak_children:.2f} GB")
+    rss = ", ".join(f"{r.get('mem_rss_gb', 0.0):.2f}" for r in recs)
+    print(f"peak RSS during the steps: {max(r.get('mem_peak_gb', 0.0) for r in recs):.2f} GB "
+          f"(resident after each step: {rss})")
+    print(f"peak RSS incl. final checkpoint + HF export: trainer {peak_self:.2f} GB, largest child {peak_children:.2f} GB")
     sys.stdout.flush()
 
 

@@ -14,8 +14,6 @@ import statistics
 import tempfile
 import time
 
-import torch
-
 
 def bench(fn, iters: int) -> float:
     fn()  # warm-up
@@ -28,6 +26,10 @@ def bench(fn, iters: int) -> float:
 
 
 def main() -> None:
+    from mcore_rl.compat.malloc import tune_malloc
+
+    tune_malloc()  # before torch starts threads
+    import torch
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     ap.add_argument("--batch", type=int, default=4)

@@ -9,6 +9,19 @@ from pathlib import Path
 from typing import Any
 
 
+def memory_gb() -> dict[str, float]:
+    """Resident and peak resident memory of this process (Linux /proc), in GB."""
+    out: dict[str, float] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key = "mem_rss_gb" if line.startswith("VmRSS") else "mem_peak_gb"
+                out[key] = int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return out
+
+
 class MetricsLogger:
     """Rank-0 sink. `log(step, metrics)` appends one JSON line and one TensorBoard scalar per metric."""
 

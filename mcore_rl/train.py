@@ -6,6 +6,9 @@ import logging
 import os
 import sys
 
+from mcore_rl.compat.malloc import tune_malloc
+
+tune_malloc()  # before torch starts its threads: keeps resident memory flat across steps
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

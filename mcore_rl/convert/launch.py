@@ -7,8 +7,10 @@ shard, so a model larger than one process's share of RAM still converts. A faili
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
+import tempfile
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -28,12 +30,11 @@ def quiet_megatron_warnings() -> None:
 
 
 @contextmanager
-def _single_rank_env() -> Iterator[None]:
-    from mcore_rl.distributed import free_port
-
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+def _rank_env(rank: int, world: int) -> Iterator[None]:
+    """The torchrun-style variables `init_distributed` reads, restored afterwards (matters in-process)."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     try:
         yield
     finally:
@@ -44,21 +45,34 @@ def _single_rank_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _init_process_group(rank: int, world: int, store_file: str) -> None:
+    """Rendezvous through a file, not a TCP port: no port can be stolen between choosing and binding it."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=1800))
+
+
 def _finish() -> None:
     from mcore_rl.distributed import destroy_distributed
 
     destroy_distributed()
 
 
-def _child(local_rank: int, world: int, port: int, fn: Callable[[Any], None], payload: Any) -> None:
+def _child(rank: int, world: int, store_file: str, fn: Callable[[Any], None], payload: Any) -> None:
     quiet_megatron_warnings()
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        fn(payload)
+        with _rank_env(rank, world):
+            _init_process_group(rank, world, store_file)
+            fn(payload)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException, which spawn would not report
@@ -76,29 +90,37 @@ def one_line(text: str) -> str:
 
 def run_ranks(fn: Callable[[Any], None], payload: Any, world: int) -> None:
     """Call `fn(payload)` on `world` ranks (module-level fn, picklable payload); re-raise a rank's error."""
-    if world == 1:
-        quiet_megatron_warnings()
-        with _single_rank_env():
-            try:
-                fn(payload)
-            except (KeyboardInterrupt, SystemExit, ConvertError):
-                raise
-            except BaseException as e:
-                raise ConvertError(f"rank 0: {one_line(str(e))}", detail=traceback.format_exc()) from e
-            finally:
-                _finish()
-        return
+    with tempfile.TemporaryDirectory(prefix="mcore-rl-convert-") as tmp:
+        store_file = os.path.join(tmp, "rendezvous")
+        if world == 1:
+            _run_inline(fn, payload, store_file)
+        else:
+            _run_spawned(fn, payload, world, store_file)
+
+
+def _run_inline(fn: Callable[[Any], None], payload: Any, store_file: str) -> None:
+    quiet_megatron_warnings()
+    try:
+        with _rank_env(0, 1):
+            _init_process_group(0, 1, store_file)
+            fn(payload)
+    except (KeyboardInterrupt, SystemExit, ConvertError):
+        raise
+    except BaseException as e:
+        raise ConvertError(f"rank 0: {one_line(str(e))}", detail=traceback.format_exc()) from e
+    finally:
+        _finish()
+
+
+def _run_spawned(fn: Callable[[Any], None], payload: Any, world: int, store_file: str) -> None:
     import torch.multiprocessing as mp
 
-    from mcore_rl.distributed import free_port
-
     try:
-        mp.start_processes(_child, args=(world, free_port(), fn, payload), nprocs=world, join=True,
+        mp.start_processes(_child, args=(world, store_file, fn, payload), nprocs=world, join=True,
                            start_method="spawn")
     except mp.ProcessRaisedException as e:
         raise ConvertError(f"rank {e.error_index}: {one_line(e.msg)}", detail=e.msg) from None
     except mp.ProcessExitedException as e:
-        raise ConvertError(
-            f"rank {e.error_index} died (exit code {e.exit_code}{', signal ' + e.signal_name if e.signal_name else ''}"
-            "); out of memory? try more TP/PP ranks or a machine with more RAM"
-        ) from None
+        how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
+        hint = "; out of memory? use more TP/PP ranks or a machine with more RAM" if e.signal_name == "SIGKILL" else ""
+        raise ConvertError(f"rank {e.error_index} died ({how}){hint}") from None

@@ -14,14 +14,9 @@ import torch
 from mcore_rl.models.base import ModelArgs
 
 
-def _keep_uninitialised(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 @contextmanager
 def without_random_init() -> Iterator[None]:
-    """Build with no-op init methods (not perform_initialization=False: on CPU that also skips setting the
-    tensor-parallel attributes that weight loading relies on).
+    """Build with TransformerConfig.perform_initialization=False (weights stay torch.empty, never touched).
 
     Stopgap: BuildConfig has no switch for it yet, so the kwargs builder seen by `policy.build` is wrapped for the
     duration of one build (conversion processes only).
@@ -31,15 +26,27 @@ def without_random_init() -> Iterator[None]:
     original = build.transformer_config_kwargs
 
     def kwargs(args, cfg):
-        noop = dict.fromkeys(("init_method", "output_layer_init_method", "embedding_init_method"),
-                             _keep_uninitialised)
-        return {**original(args, cfg), **noop}
+        return {**original(args, cfg), "perform_initialization": False}
 
     build.transformer_config_kwargs = kwargs
     try:
         yield
     finally:
         build.transformer_config_kwargs = original
+
+
+def mark_tensor_parallel_weights(model) -> None:
+    """On the CPU path Megatron sets a weight's tensor-parallel attributes only inside its random init, which we
+    skip; weight loading needs them to slice, so set them as the init would (columns: dim 0, rows: dim 1)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        dim = next((d for cls, d in dims if isinstance(module, cls)), None)
+        if dim is not None and isinstance(weight, torch.nn.Parameter) and not hasattr(weight, "partition_dim"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def build_model(args: ModelArgs, tp: int, pp: int, dtype: str):
@@ -50,7 +57,9 @@ def build_model(args: ModelArgs, tp: int, pp: int, dtype: str):
     # local spec: same checkpoint keys as Transformer Engine's, and it runs on any machine
     cfg = BuildConfig(dtype=dtype, tp=tp, pp=pp, transformer_impl="local")
     with without_random_init():
-        return build_gpt_model(args, cfg, wrap_ddp=False)
+        model = build_gpt_model(args, cfg, wrap_ddp=False)
+    mark_tensor_parallel_weights(model)
+    return model
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl.algorithms import build_algorithm
 from mcore_rl.distributed import init_distributed
-from mcore_rl.logging import MetricsLogger, plot_run
+from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
 from mcore_rl.rollout.megatron_sync import sync_weights
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
@@ -225,6 +225,7 @@ class Run:
     def log(self, metrics: dict[str, float]) -> None:
         if self.rank != 0:
             return
+        metrics.update(memory_gb())
         self.logger.log(self.update, metrics)
         if self.cfg.logging.progress:
             if self._progress is None:
