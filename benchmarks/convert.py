@@ -4,7 +4,8 @@ Usage: python benchmarks/convert.py [--hf DIR] [--tp N --pp M] [--repeats 3] [--
 
 Raw = read every source file and write the same number of bytes to one file in the work dir, then fsync (the
 converters fsync their outputs too). Both sides read a warm page cache (the source was read just before), so the
-ratio isolates what conversion adds: model build, layout shuffles, checkpoint metadata. Conversion times are taken
+ratio isolates what conversion adds: model build, layout shuffles, checkpoint metadata. Runs alternate
+(convert, raw, convert, ...) and start after os.sync(), so both see the same disk and machine load. Conversion times are taken
 in-process after a warm-up run, i.e. without the one-off Python/Megatron import cost (printed separately).
 Default model: SmolLM2-135M-Instruct, fp32 (538 MB).
 """
@@ -44,17 +45,26 @@ def raw_copy(sources: list[Path], dst: Path) -> int:
     return total
 
 
-def timed(fn: Callable[[Path], object], out: Path, repeats: int) -> list[float]:
-    """Each run writes a fresh `out` (deleting the previous result is not part of the timing)."""
-    times = []
+def _run(fn: Callable[[Path], object], out: Path) -> float:
+    """Time one run writing a fresh `out`; removing the previous result and flushing pending writeback
+    (os.sync) happen before the clock starts, so every run meets an idle disk."""
+    if out.is_file():
+        out.unlink()
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+    t0 = time.perf_counter()
+    fn(out)
+    return time.perf_counter() - t0
+
+
+def interleaved(conv: Callable[[Path], object], conv_out: Path, raw: Callable[[Path], object], raw_out: Path,
+                repeats: int) -> tuple[list[float], list[float]]:
+    """Alternate conversion and raw runs so both see the same machine load (the box may be shared)."""
+    c, r = [], []
     for _ in range(repeats):
-        if out.is_file():
-            out.unlink()
-        shutil.rmtree(out, ignore_errors=True)
-        t0 = time.perf_counter()
-        fn(out)
-        times.append(time.perf_counter() - t0)
-    return times
+        c.append(_run(conv, conv_out))
+        r.append(_run(raw, raw_out))
+    return c, r
 
 
 def report(label: str, nbytes: int, conv: list[float], raw: list[float]) -> None:
@@ -89,16 +99,16 @@ def main() -> None:
         t0 = time.perf_counter()
         hf_to_mcore(hf, ckpt, a.tp, a.pp, force=True, progress=False)  # warm-up: imports, page cache
         first = time.perf_counter() - t0
-        conv = timed(lambda out: hf_to_mcore(hf, out, a.tp, a.pp, progress=False), ckpt, a.repeats)
-        raw = timed(lambda out: raw_copy(src_files, out), work / "raw.bin", a.repeats)
+        conv, raw = interleaved(lambda out: hf_to_mcore(hf, out, a.tp, a.pp, progress=False), ckpt,
+                                lambda out: raw_copy(src_files, out), work / "raw.bin", a.repeats)
         print(f"model={hf.name} tp={a.tp} pp={a.pp} workdir={work} cpus={os.cpu_count()}")
         print(f"hf-to-mcore first run (with imports/process start) {first:.2f}s")
         report("hf-to-mcore", nbytes, conv, raw)
 
         ck_files = files_of(ckpt, (".distcp",))
         mcore_to_hf(ckpt, back, force=True, progress=False)  # warm-up
-        conv = timed(lambda out: mcore_to_hf(ckpt, out, progress=False), back, a.repeats)
-        raw = timed(lambda out: raw_copy(ck_files, out), work / "raw.bin", a.repeats)
+        conv, raw = interleaved(lambda out: mcore_to_hf(ckpt, out, progress=False), back,
+                                lambda out: raw_copy(ck_files, out), work / "raw.bin", a.repeats)
         report("mcore-to-hf", sum(p.stat().st_size for p in ck_files), conv, raw)
     finally:
         shutil.rmtree(work, ignore_errors=True)

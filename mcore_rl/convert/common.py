@@ -78,8 +78,13 @@ def staging_path(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
+def scratch_path(stage: Path) -> Path:
+    """Sibling for rendezvous files of the conversion ranks; swept with the staging dir."""
+    return stage.with_name(stage.name + ".rdzv")
+
+
 def _sweep(stage: Path) -> None:
-    for p in (stage, stage.with_name(stage.name + ".tmp"), stage.with_name(stage.name + ".old")):
+    for p in (stage, stage.with_name(stage.name + ".tmp"), stage.with_name(stage.name + ".old"), scratch_path(stage)):
         if p.exists():
             shutil.rmtree(p)
 

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from mcore_rl.convert.common import HF_SUBDIR, ConvertError, dtype_name, parse_dtype, staged_output
+from mcore_rl.convert.common import (
+    HF_SUBDIR,
+    ConvertError,
+    dtype_name,
+    parse_dtype,
+    scratch_path,
+    staged_output,
+)
 from mcore_rl.convert.launch import run_ranks
 from mcore_rl.convert.shapes import check_hf_checkpoint
 from mcore_rl.models.base import ModelArgs, ModelFamily, family_for, read_hf_config
@@ -119,7 +126,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
     out = Path(out).absolute()
     with staged_output(out, force) as stage:
         job = HfToMcoreJob(str(hf_dir), str(stage), tp, pp, dtype_name(out_dtype), meta, progress)
-        run_ranks(_convert_rank, job, tp * pp)
+        run_ranks(_convert_rank, job, tp * pp, scratch=scratch_path(stage))
         if not (stage / "complete.json").is_file():
             raise ConvertError(f"internal error: ranks finished but {stage} holds no complete checkpoint")
         (stage / HF_SUBDIR).mkdir()

@@ -15,6 +15,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from mcore_rl.convert.common import ConvertError
@@ -88,14 +89,22 @@ def one_line(text: str) -> str:
     return _EXC_PREFIX.sub("", last)
 
 
-def run_ranks(fn: Callable[[Any], None], payload: Any, world: int) -> None:
-    """Call `fn(payload)` on `world` ranks (module-level fn, picklable payload); re-raise a rank's error."""
-    with tempfile.TemporaryDirectory(prefix="mcore-rl-convert-") as tmp:
+def run_ranks(fn: Callable[[Any], None], payload: Any, world: int, scratch: Path | None = None) -> None:
+    """Call `fn(payload)` on `world` ranks (module-level fn, picklable payload); re-raise a rank's error.
+
+    The rendezvous file lives in `scratch` when given (a directory the caller sweeps even after a SIGKILL),
+    else in a temporary directory.
+    """
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=False)
+    with tempfile.TemporaryDirectory(prefix="mcore-rl-convert-", dir=scratch) as tmp:
         store_file = os.path.join(tmp, "rendezvous")
         if world == 1:
             _run_inline(fn, payload, store_file)
         else:
             _run_spawned(fn, payload, world, store_file)
+    if scratch is not None:
+        scratch.rmdir()
 
 
 def _run_inline(fn: Callable[[Any], None], payload: Any, store_file: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.convert.common import ConvertError, ckpt_hf_config, read_ckpt_meta
+from mcore_rl.convert.common import HF_SUBDIR, ConvertError, ckpt_hf_config, read_ckpt_meta
 from mcore_rl.convert.dist_reader import DistCheckpointReader
 from mcore_rl.convert.launch import run_ranks
 from mcore_rl.models.base import family_for
@@ -110,7 +110,7 @@ def verify(hf_dir: str | Path, ckpt: str | Path, tp: int = 1, pp: int = 1, promp
     hf_dir, ckpt = Path(hf_dir).absolute(), Path(ckpt).absolute()
     read_ckpt_meta(ckpt)  # complete?
     _, _, args = load_hf_model_info(hf_dir)
-    cfg = ckpt_hf_config(ckpt, None) if (ckpt / "hf").is_dir() else None
+    cfg = ckpt_hf_config(ckpt, None) if (ckpt / HF_SUBDIR).is_dir() else None
     try:
         validate_parallel(args, tp, pp)
     except ValueError as e:

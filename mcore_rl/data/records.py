@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from mcore_rl.utils import config_from_dict  # noqa: F401  (re-exported)
 
 Message = dict[str, str]
 Prompt = str | list[Message]
@@ -106,10 +107,3 @@ class LoadSummary:
         logger.log(logging.WARNING if self.num_skipped else logging.INFO, "%s", self.line())
 
 
-def config_from_dict(cls: type, options: Mapping[str, Any], where: str) -> Any:
-    """Build a config dataclass, naming the offending key and the valid ones on a typo."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
-    return cls(**options)

@@ -6,13 +6,13 @@ options from the section of the same name and is weighted by `cfg.weights[part]`
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from mcore_rl.rewards.base import RewardFn, RewardResult, check_lengths
 from mcore_rl.rewards.format_reward import FormatConfig, FormatReward
 from mcore_rl.rewards.verifier import MathVerifyConfig, MathVerifyReward
+from mcore_rl.utils import config_from_dict
 
 REWARDS: dict[str, Callable[[dict[str, Any]], RewardFn]] = {}
 
@@ -25,15 +25,6 @@ def register_reward(name: str) -> Callable:
         return builder
 
     return deco
-
-
-def config_from_dict(cls: type, options: Mapping[str, Any], where: str) -> Any:
-    """Build a config dataclass, naming the offending key and the valid ones on a typo."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
-    return cls(**options)
 
 
 @register_reward("math_verify")
