@@ -48,11 +48,14 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int 
     if use_cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(
-            backend=backend, world_size=world, rank=rank, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world == 1 and "MASTER_PORT" not in os.environ:
+            # one process: an in-memory store, no TCP port to pick (concurrent jobs on a node never collide)
+            dist.init_process_group(backend=backend, store=dist.HashStore(), world_size=1, rank=0, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            dist.init_process_group(backend=backend, world_size=world, rank=rank, timeout=timeout)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
