@@ -1,0 +1,71 @@
+"""Weight sync (Megatron policy -> embedded engine) GB/s vs a plain memcpy of the same bytes, in one run.
+
+    python benchmarks/weight_sync.py [--model smollm2|tiny] [--repeats 3] [--mode tensor|disk]
+
+The sync path gathers every tensor through the model adapter (QKV / gate-up split, HF names) and copies it into the
+engine's parameters; the baseline copies the same tensors into preallocated buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+
+def main() -> None:
+    from mcore_rl.compat.malloc import tune_malloc
+
+    tune_malloc()
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mode", default="tensor", choices=["tensor", "disk"])
+    a = ap.parse_args()
+    if a.model == "smollm2":
+        from mcore_rl.models.smollm2 import materialize_smollm2
+
+        folder = materialize_smollm2()
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        folder = tempfile.mkdtemp()
+        LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=8192)).save_pretrained(folder)
+    from mcore_rl.distributed import init_distributed
+    from mcore_rl.policy.policy import Policy, PolicyConfig
+    from mcore_rl.rollout.local import LocalEngine
+    from mcore_rl.rollout.megatron_sync import sync_weights
+
+    init_distributed(1, 1)
+    policy = Policy(folder, PolicyConfig(), trainable=False)
+    policy.load_hf(folder)
+    engine = LocalEngine(str(folder))
+    sync_dir = tempfile.mkdtemp()
+    sync_t, gb = [], 0.0
+    for v in range(a.repeats):
+        st = sync_weights(policy, engine, version=v + 1, mode=a.mode, disk_dir=sync_dir, config_dir=folder)
+        sync_t.append(st["sync_s"])
+        gb = st["sync_gb"]
+    tensors = [t.clone() for _, t in policy.hf_tensors()]
+    bufs = [torch.empty_like(t) for t in tensors]
+    copy_t = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, tensors):
+            b.copy_(t)
+        copy_t.append(time.perf_counter() - t0)
+    engine.close()
+    s, c = statistics.median(sync_t), statistics.median(copy_t)
+    print(f"model={a.model} mode={a.mode} bytes={gb:.3f} GB")
+    print(f"weight sync: {gb / s:.2f} GB/s (median {s:.3f} s)")
+    print(f"memcpy     : {gb / c:.2f} GB/s (median {c:.3f} s)")
+    print(f"ratio sync/memcpy: {c / s:.2f}")
+
+
+if __name__ == "__main__":
+    main()
