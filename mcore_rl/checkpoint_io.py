@@ -16,16 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_rl.distributed import global_rank
+
 COMPLETE = "complete.json"
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _use_in_process_results_queue() -> None:
@@ -67,7 +65,7 @@ def save_dist_checkpoint(
 
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
+    if global_rank() == 0:
         if final.exists():
             if not overwrite:
                 raise FileExistsError(f"checkpoint {final} exists; pass overwrite/--force to replace it")
@@ -83,9 +81,9 @@ def save_dist_checkpoint(
     _use_in_process_results_queue()
     dist_checkpointing.save(sharded, str(tmp))
     if rank_state is not None:
-        torch.save(rank_state, tmp / f"rank_{_rank():05d}.pt")
+        torch.save(rank_state, tmp / f"rank_{global_rank():05d}.pt")
     _barrier()
-    if _rank() == 0:
+    if global_rank() == 0:
         (tmp / COMPLETE).write_text(json.dumps(meta or {}, indent=2, default=str))
         if final.exists():
             old = final.with_name(final.name + ".old")
@@ -126,5 +124,5 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
 
 
 def load_rank_state(path: str | Path) -> dict[str, Any] | None:
-    f = Path(path) / f"rank_{_rank():05d}.pt"
+    f = Path(path) / f"rank_{global_rank():05d}.pt"
     return torch.load(f, weights_only=True) if f.is_file() else None

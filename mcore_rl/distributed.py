@@ -23,6 +23,11 @@ class ParallelLayout:
     backend: str
 
 
+def global_rank() -> int:
+    """This process's rank (0 before torch.distributed is initialised)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -118,7 +118,6 @@ def iter_full_tensors(model, args: ModelArgs, dst: int = 0) -> Iterator[tuple[st
     rank = dist.get_rank()
     pp_size = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    is_src = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     for stage in range(pp_size):
         if stage == pp_rank:
             items = []
@@ -142,7 +141,7 @@ def iter_full_tensors(model, args: ModelArgs, dst: int = 0) -> Iterator[tuple[st
             if rank == dst:
                 yield from items  # type: ignore[misc]
             continue
-        if rank == src_rank and is_src:
+        if rank == src_rank:
             obj = [[(n, t.cpu()) for n, t in items]]  # type: ignore[union-attr]
             dist.send_object_list(obj, dst=dst)
         elif rank == dst:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch.distributed as dist
+from mcore_rl.distributed import global_rank
 
 
 def sync_weights(
@@ -25,9 +25,8 @@ def sync_weights(
     """Collective: every rank calls; only rank 0 talks to the engine. Returns {sync_s, sync_gb}."""
     t0 = time.perf_counter()
     stream = policy.hf_tensors(dst=0)
-    rank = dist.get_rank() if dist.is_initialized() else 0
     nbytes = 0
-    if rank != 0 or engine is None:
+    if global_rank() != 0 or engine is None:
         for _ in stream:
             pass
         return {"sync_s": time.perf_counter() - t0}

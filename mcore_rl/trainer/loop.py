@@ -10,8 +10,6 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-import torch
-
 from mcore_rl.trainer.rollout_batch import update_rows
 from mcore_rl.trainer.update import run_update
 
@@ -75,11 +73,3 @@ def train(run) -> dict[str, float]:
     run.finish()
     return last
 
-
-def main_loop_metrics_keys() -> list[str]:
-    """Keys every train record carries (documented for users; tests check them)."""
-    return ["reward_mean", "reward_std", "accuracy", "response_len", "truncation_rate", "time_generate",
-            "time_reward", "time_old_logp", "time_train", "time_sync", "grad_norm", "loss"]
-
-
-__all__ = ["train", "timed", "main_loop_metrics_keys", "torch"]

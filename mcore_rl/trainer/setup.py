@@ -62,10 +62,6 @@ def policy_config(cfg: DictConfig) -> PolicyConfig:
     return PolicyConfig(build=build_config(cfg), optim=optim, token_budget=cfg.trainer.token_budget)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
     """A random tiny Llama with the SmolLM2 tokenizer, cached by its config hash (written atomically)."""
     from mcore_rl.models.smollm2 import DEFAULT_CACHE, materialize_smollm2

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.checkpoint_io import is_complete, load_dist_checkpoint, load_rank_state, save_dist_checkpoint
+from mcore_rl.distributed import global_rank
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -62,8 +63,7 @@ def save_checkpoint(ckpt_root: str | Path, update: int, policy, trainer_state: d
             "scheduler": policy.scheduler.state_dict() if policy.scheduler else None}
     rank_state = {"rng": rng_state(), **(rank_extra or {})}
     save_dist_checkpoint(path, policy.model, policy.optimizer, meta=meta, overwrite=True, rank_state=rank_state)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
+    if global_rank() == 0:
         tmp = root / "latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, root / "latest")
