@@ -1,0 +1,140 @@
+"""`mcore-rl-eval MODEL --set SPEC [--set SPEC ...]`: held-out evaluation of an HF folder, a run directory or a
+Megatron checkpoint: n samples per prompt, mean@n and unbiased pass@k, one table row per set, results as jsonl.
+
+Exit codes: 0 done; 2 bad input (unknown set, missing model, bad option), one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+SET_HELP = ("held-out set, repeatable: arithmetic | champ | reasoning_gym/NAME | hf/HUB_ID | local .jsonl/.json/"
+            ".parquet | data .yaml, each optionally followed by :key=value,... (e.g. arithmetic:max_operand=50)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mcore-rl-eval", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="HF folder, run directory, or Megatron checkpoint folder")
+    p.add_argument("--set", dest="sets", action="append", default=None, help=SET_HELP + " (default: arithmetic)")
+    p.add_argument("--num-prompts", type=int, default=32, help="first N prompts of each set; 0 = all (default 32)")
+    p.add_argument("-n", "--samples", type=int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--k", type=int, action="append", default=None,
+                   help="pass@k to report, repeatable, k <= n (default: 1..n for n <= 16, else powers of 2 and n)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=777, help="prompt i is sampled with seed + i")
+    p.add_argument("--engine", default="local", help="rollout engine (registry name; default: the embedded one)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra engine constructor argument (YAML value), repeatable, e.g. dtype=bfloat16")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="run directory: evaluate its latest checkpoint even when an hf/ export exists")
+    p.add_argument("--hf-config", default=None, help="HF config + tokenizer folder for a Megatron checkpoint")
+    p.add_argument("--export-dir", default=None, help="where checkpoint exports go (default: a temp dir)")
+    p.add_argument("--out", default="eval_results.jsonl", help="append one summary line per set here")
+    p.add_argument("--samples-out", default=None, help="also write every prompt's responses and verdicts here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def default_ks(n: int) -> list[int]:
+    if n <= 16:
+        return list(range(1, n + 1))
+    return sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
+
+
+def _engine_kwargs(items: list[str]) -> dict:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def format_table(rows: list[tuple[str, dict[str, float]]], ks: list[int], n: int) -> str:
+    head = ["set", "prompts", f"mean@{n}", *[f"pass@{k}" for k in ks], "len", "trunc"]
+    body = [[spec, f"{int(s['num_prompts'])}", f"{s['mean_at_n']:.3f}", *[f"{s[f'pass_at_{k}']:.3f}" for k in ks],
+             f"{s['response_len']:.1f}", f"{s['truncation_rate']:.2f}"] for spec, s in rows]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in [head, *body]]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def run(a: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from mcore_rl.evaluation.model_source import resolve_model
+    from mcore_rl.evaluation.runner import GenerationConfig, evaluate_set
+    from mcore_rl.evaluation.sets import load_set
+    from mcore_rl.rollout.protocol import build_engine
+
+    n = a.samples
+    if n < 1:
+        raise ValueError(f"-n/--samples must be >= 1; got {n}")
+    ks = sorted(set(a.k)) if a.k else default_ks(n)
+    if any(not 1 <= k <= n for k in ks):
+        raise ValueError(f"--k must satisfy 1 <= k <= n={n}; got {ks}")
+    specs = a.sets or ["arithmetic"]
+    sets = [(spec, load_set(spec, a.num_prompts)) for spec in specs]  # bad specs fail before the model loads
+    try:
+        model = resolve_model(a.model, a.hf_config, a.checkpoint, a.export_dir)
+        print(f"model: {model.hf_dir} ({model.kind}, from {model.origin})", file=sys.stderr)
+        tok_dir = model.hf_dir if any(model.hf_dir.glob("tokenizer*")) else model.tokenizer_dir
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        engine = build_engine(a.engine, model_path=str(model.hf_dir), seed=a.seed, **_engine_kwargs(a.engine_arg))
+        gen = GenerationConfig(n=n, temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
+                               seed=a.seed)
+        results = []
+        try:
+            for spec, es in sets:
+                results.append(evaluate_set(engine, tokenizer, es, spec, gen, ks, progress=not a.no_progress))
+        finally:
+            engine.close()
+    finally:
+        for _, es in sets:
+            es.scorer.close()
+    print(format_table([(r.spec, r.summary) for r in results], ks, n))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.time()
+    with out.open("a") as f:
+        for r in results:
+            f.write(json.dumps({"time": stamp, "model": str(model.origin), "model_kind": model.kind, "set": r.spec,
+                                "source": r.name, "temperature": a.temperature,
+                                "max_new_tokens": a.max_new_tokens, "seed": a.seed, **r.summary}) + "\n")
+    print(f"wrote {out}")
+    if a.samples_out:
+        with Path(a.samples_out).open("w") as f:
+            for r in results:
+                for row in r.per_prompt:
+                    f.write(json.dumps({"set": r.spec, **row}) + "\n")
+        print(f"wrote {a.samples_out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    a = _parser().parse_args(argv)
+    from mcore_rl.evaluation.model_source import ModelSourceError
+
+    try:
+        return run(a)
+    except (ValueError, FileNotFoundError, ModelSourceError) as e:
+        print(f"mcore-rl-eval: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
