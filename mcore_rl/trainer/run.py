@@ -97,6 +97,13 @@ class Run:
         self.next_eval = 0
         self.last_eval: int | None = None
         self._progress = None
+        self._last_heldout: float | None = None
+        self.compute = None
+        if self.rank == 0:  # FLOPs / wall-clock accounting, written with every eval record
+            from mcore_rl.evaluation.compute import ComputeMeter, model_flops
+
+            self.compute = ComputeMeter(model_flops(self.model_dir), dist.get_world_size() if dist.is_initialized()
+                                        else 1, torch.cuda.is_available())
         self._resume_or_start()
 
     # ---- setup helpers -----------------------------------------------------------------------------------
@@ -128,6 +135,8 @@ class Run:
                 self.data.load_state_dict(t["data"])
             if t.get("algorithm") is not None:
                 self.algorithm.load_state_dict(t["algorithm"])
+            if self.compute is not None and t.get("compute"):
+                self.compute.load_state_dict(t["compute"])
             log.warning("resumed from %s at update %d", ckpt, self.update)
             need_sync = True
         if need_sync:
@@ -176,6 +185,8 @@ class Run:
             results = self.reward_fn.score([s.text or "" for s in samples], answers)
             payload = ([r.score for r in results], [bool(r.correct) for r in results])
             self.data.observe([p.prompt_id for p in prompts for _ in range(G)], payload[0])
+            score_passes = int(self.algorithm.needs_old_logp) + int(self.ref is not None) + int(self.ewma is not None)
+            self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in samples], score_passes)
         rewards, correct = _broadcast(payload)
         group_ids = [i // G for i in range(len(samples))]
         rb = build_rollout_batch(samples, rewards, correct, group_ids, pad_id=0)
@@ -234,8 +245,12 @@ class Run:
                 self._progress = tqdm(total=self.cfg.trainer.steps, initial=self.update - 1, desc="updates",
                                       dynamic_ncols=True)
             self._progress.update(self.update - self._progress.n)
-            self._progress.set_postfix(reward=f"{metrics.get('reward_mean', 0):.3f}",
-                                       loss=f"{metrics.get('loss', 0):.4f}")
+            post = {"reward": f"{metrics.get('reward_mean', 0):.3f}"}
+            if self._last_heldout is not None:
+                post["heldout"] = f"{self._last_heldout:.3f}"
+            if "tokens_per_s" in metrics:  # set on a round's last record only: never a partial-round rate
+                post["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
+            self._progress.set_postfix(post)
 
     def maybe_evaluate(self, force: bool = False) -> None:
         """Held-out eval before the first update, every `eval.every` updates, and at the end (once per update)."""
@@ -251,6 +266,8 @@ class Run:
             m = evaluate(self.engine, self.reward_fn, [p.prompt_ids for p in prompts], [p.answer for p in prompts],
                          e.samples_per_prompt, e.temperature, e.max_new_tokens, e.seed, self.data.stop_token_ids)
             m["time_eval"] = time.perf_counter() - t0
+            m.update(self.compute.record())
+            self._last_heldout = m["mean_at_k"]
             self.logger.log(self.update, m, kind="eval")
             log.warning("eval @ update %d: mean@%d=%.3f pass@%d=%.3f", self.update, e.samples_per_prompt,
                         m["mean_at_k"], e.samples_per_prompt, m["pass_at_k"])
@@ -263,6 +280,7 @@ class Run:
         if self.rank == 0:
             st["data"] = self.data.state_dict()
             st["algorithm"] = self.algorithm.state_dict()
+            st["compute"] = self.compute.state_dict()
         return st
 
     def checkpoint(self) -> Path:
@@ -299,6 +317,9 @@ class Run:
             self.logger.close()
             if self.cfg.logging.plot:
                 plot_run(self.run_dir)
+            from mcore_rl.evaluation.summary import run_summary
+
+            print(run_summary(self.run_dir), flush=True)
             if self.reward_fn is not None:
                 self.reward_fn.close()
             if self.engine is not None:

@@ -4,7 +4,6 @@ and scorers, and (slow) on SmolLM2 itself."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +13,11 @@ import pytest
 
 from mcore_rl.evaluation.passk import summarize_correct
 from tests.conftest import REPO
+from tests.evaluation.conftest import _env
 
 pytestmark = pytest.mark.evaluation
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
 
 
 def _eval(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -43,18 +41,6 @@ def eval_inproc(capsys):
 
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> Path:
-    """One real training update of the tiny model: a run dir with config.yaml, hf/ and checkpoints/step_000001."""
-    run_dir = tmp_path_factory.mktemp("tiny_run")
-    cmd = [sys.executable, "-m", "mcore_rl.train", "model=tiny", "eval.num_prompts=2", "eval.samples_per_prompt=2",
-           "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8",
-           "logging.progress=false", "logging.plot=false", "trainer.steps=1", f"run.dir={run_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return run_dir
 
 
 def test_eval_run_dir_hf_export_and_checkpoint_agree(tiny_run, tmp_path, eval_inproc):
@@ -83,7 +69,7 @@ def test_eval_run_dir_hf_export_and_checkpoint_agree(tiny_run, tmp_path, eval_in
     proc = eval_inproc(str(tiny_run), *common[:-1], str(out2), "--checkpoint", "--export-dir", str(tmp_path / "exp"),
                  "--samples-out", str(samples2), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "run_checkpoint" in proc.stderr and (tmp_path / "exp" / "hf_step_000001" / "config.json").is_file()
+    assert "run_checkpoint" in proc.stderr and (tmp_path / "exp" / "hf_step_000002" / "config.json").is_file()
     assert [p["responses"] for p in _jsonl(samples2)] == [p["responses"] for p in per]
 
 
