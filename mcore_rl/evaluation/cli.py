@@ -92,7 +92,11 @@ def run(a: argparse.Namespace) -> int:
         print(f"model: {model.hf_dir} ({model.kind}, from {model.origin})", file=sys.stderr)
         tok_dir = model.hf_dir if any(model.hf_dir.glob("tokenizer*")) else model.tokenizer_dir
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        engine = build_engine(a.engine, model_path=str(model.hf_dir), seed=a.seed, **_engine_kwargs(a.engine_arg))
+        try:
+            engine = build_engine(a.engine, model_path=str(model.hf_dir), seed=a.seed,
+                                  **_engine_kwargs(a.engine_arg))
+        except (KeyError, TypeError) as e:  # unknown engine name / constructor argument
+            raise ValueError(f"--engine {a.engine}: {str(e).strip(chr(34) + chr(39))}") from None
         gen = GenerationConfig(n=n, temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
                                seed=a.seed)
         results = []

@@ -67,6 +67,7 @@ def test_eval_run_dir_hf_export_and_checkpoint_agree(tiny_run, tmp_path, eval_in
     # the latest checkpoint, exported through the converter, holds the same weights as hf/: same samples
     out2, samples2 = tmp_path / "results2.jsonl", tmp_path / "samples2.jsonl"
     proc = eval_inproc(str(tiny_run), *common[:-1], str(out2), "--checkpoint", "--export-dir", str(tmp_path / "exp"),
+                        "--engine", "local", "--engine-arg", "dtype=float32", "--engine-arg", "max_batch_size=5",
                  "--samples-out", str(samples2), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "run_checkpoint" in proc.stderr and (tmp_path / "exp" / "hf_step_000002" / "config.json").is_file()
@@ -81,6 +82,9 @@ def test_eval_bad_inputs_are_one_line_errors(tiny_run, tmp_path, eval_inproc):
         ([str(tiny_run), "--set", "arithmetic:bogus=1"], "bogus"),
         ([str(tiny_run), "-n", "2", "--k", "3"], "--k must satisfy 1 <= k <= n=2"),
         ([str(tmp_path)], "not an HF folder"),
+        ([str(tiny_run), "--engine", "nosuch"], "--engine nosuch: rollout engine 'nosuch' is not registered"),
+        ([str(tiny_run), "--engine-arg", "bogus_arg=1"], "bogus_arg"),
+        ([str(tiny_run), "--engine-arg", "dtype"], "--engine-arg 'dtype': expected KEY=VALUE"),
     ]
     for args, message in cases:
         proc = eval_inproc(*args, "--out", str(tmp_path / "x.jsonl"))
