@@ -46,7 +46,7 @@ def _auto_answer(answer: str) -> str:
 
 
 def _base_arithmetic(arg: str | None, n: int) -> dict[str, Any]:
-    return {"kind": "arithmetic", "seed": 1000, "size": n}
+    return {"kind": "arithmetic", "seed": 1000, "size": n or 1024}  # --num-prompts 0 ("all"): the data default
 
 
 def _base_champ(arg: str | None, n: int) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def _base_champ(arg: str | None, n: int) -> dict[str, Any]:
 def _base_reasoning_gym(arg: str | None, n: int) -> dict[str, Any]:
     if not arg:
         raise ValueError("reasoning_gym needs a task name: reasoning_gym/NAME (e.g. reasoning_gym/gcd)")
-    return {"kind": "reasoning_gym", "name": arg, "size": n, "seed": 1000, "scorer": "reasoning_gym"}
+    return {"kind": "reasoning_gym", "name": arg, "size": n or 1024, "seed": 1000, "scorer": "reasoning_gym"}
 
 
 def _base_hf(arg: str | None, n: int) -> dict[str, Any]:
