@@ -55,7 +55,8 @@ class ComputeState:
     flops_generate: float = 0.0  # rollout generation
     flops_score: float = 0.0  # extra forward passes: old/ref/proximal log-probs
     tokens_generated: float = 0.0
-    wallclock_s: float = 0.0  # cumulative over restarts
+    wallclock_s: float = 0.0  # cumulative over restarts, held-out evaluation excluded
+    eval_s: float = 0.0  # held-out evaluation time (excluded above: it is not training cost)
 
 
 class ComputeMeter:
@@ -75,12 +76,18 @@ class ComputeMeter:
         self.state.flops_train += 3.0 * fwd
         self.state.tokens_generated += float(sum(r for _, r in lengths))
 
+    def add_eval_time(self, seconds: float) -> None:
+        self.state.eval_s += seconds
+        self.state.wallclock_s -= seconds
+
     def record(self) -> dict[str, float]:
+        """`wallclock_s` excludes held-out evaluation, so `--x hours` compares arms that evaluate at different
+        rates fairly; `wallclock_total_s` includes it."""
         s = self.state
         wall = s.wallclock_s + time.perf_counter() - self._t0
         out = {"flops": s.flops_train + s.flops_generate + s.flops_score, "flops_train": s.flops_train,
                "flops_generate": s.flops_generate, "flops_score": s.flops_score,
-               "tokens_generated": s.tokens_generated, "wallclock_s": wall}
+               "tokens_generated": s.tokens_generated, "wallclock_s": wall, "wallclock_total_s": wall + s.eval_s}
         if self.on_gpu:
             out["gpu_hours"] = wall * self.world_size / 3600.0
         return out

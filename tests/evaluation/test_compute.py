@@ -44,6 +44,10 @@ def test_forward_flops_sum_the_attention_term_over_positions():
     assert again.record()["flops"] == pytest.approx(rec["flops"]) and again.record()["wallclock_s"] >= 0
 
 
+def last_total(evals: list[dict]) -> float:
+    return evals[-1]["wallclock_total_s"]
+
+
 def test_real_run_writes_compute_with_each_eval_and_a_summary(tiny_run_proc, capsys):
     run_dir, proc = tiny_run_proc
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
@@ -51,6 +55,10 @@ def test_real_run_writes_compute_with_each_eval_and_a_summary(tiny_run_proc, cap
     assert [e["step"] for e in evals] == [0, 1, 2]
     assert evals[0]["flops"] == 0.0 and 0 < evals[1]["flops"] < evals[2]["flops"]
     assert 0 <= evals[0]["wallclock_s"] < evals[1]["wallclock_s"] < evals[2]["wallclock_s"]
+    # evaluation time is excluded from wallclock_s (it is not training cost), included in wallclock_total_s
+    assert evals[0]["wallclock_s"] < evals[0]["time_eval"] <= evals[0]["wallclock_total_s"]
+    total_eval = sum(e["time_eval"] for e in evals)
+    assert last_total(evals) - evals[-1]["wallclock_s"] == pytest.approx(total_eval, abs=1e-3)
     last = evals[-1]
     # grpo_cpu default: on-policy, no old-logp recompute, no reference model -> no scoring passes
     assert last["flops_train"] == pytest.approx(3 * last["flops_generate"])
