@@ -80,6 +80,7 @@ def plot(fits: list[RunFit], extrapolate: list[float], x_label: str, metric: str
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    shown: list[float] = []  # y values that set the axis range (not interval ends: a poorly fitted A can be wild)
     for i, rf in enumerate(fits):
         color = f"C{i}"
         c, f = rf.curve, rf.fit
@@ -92,12 +93,16 @@ def plot(fits: list[RunFit], extrapolate: list[float], x_label: str, metric: str
             ax.plot(c.x[rf.held_mask], c.y[rf.held_mask], "X", color=color, ms=8, label=f"{c.name} (held out)")
         hi = max([c.x.max(), *extrapolate])
         grid = np.geomspace(c.x[pos].min(), hi, 200)
+        shown += [*c.y.tolist(), *f.fit.predict(grid).tolist()]
         ax.plot(grid, f.fit.predict(grid), "-", color=color, alpha=0.8,
                 label=f"fit A={f.a.value:.3g} B={f.b.value:.3g} C_mid={f.c_mid.value:.3g}")
         ax.axhline(f.a.value, color=color, ls=":", alpha=0.5)
         for cx in extrapolate:
             p = f.predict(cx)
             ax.errorbar([cx], [p.value], yerr=[[p.value - p.lo], [p.hi - p.value]], fmt="D", color=color, capsize=3)
+    lo, hi = min(shown), max(shown)
+    pad = 0.1 * max(hi - lo, 1e-3)
+    ax.set_ylim(lo - pad, hi + pad)
     ax.set_xscale("log")
     ax.set_xlabel(x_label)
     ax.set_ylabel(metric)
