@@ -106,6 +106,7 @@ def refit_sigmoid(compute: np.ndarray, rewards: np.ndarray, start: SigmoidFit, i
     _check(c, r)
     p0 = np.tile([start.a, np.log(start.b), np.log(start.c_mid)], (r.shape[0], 1))
     p, cost = _lm(p0, np.log(c), r, start.r0, iters)
-    out = np.stack([p[:, 0], np.exp(p[:, 1]), np.exp(p[:, 2])], axis=1)
+    with np.errstate(over="ignore"):
+        out = np.stack([p[:, 0], np.exp(p[:, 1]), np.exp(p[:, 2])], axis=1)
     out[~np.isfinite(cost)] = np.nan
     return out

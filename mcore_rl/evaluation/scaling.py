@@ -56,6 +56,7 @@ class CurveFit:
     level: float
     num_points: int
     replicates: np.ndarray = field(repr=False)
+    warnings: list[str] = field(default_factory=list)
 
     def predict(self, compute: float) -> Interval:
         """Point prediction and the bootstrap interval of the predicted R at `compute`."""
@@ -115,6 +116,24 @@ def bootstrap_fit(compute: np.ndarray, reward: np.ndarray, r0: float, num_boot: 
     t_star = np.abs(theta_b - theta) / standard_errors(theta_b, c, boot_r, r0)
     q = float(np.quantile(t_star.max(axis=1), level))
     lo, hi = theta[0] - q * se0, theta[0] + q * se0
-    lo[1:], hi[1:] = np.exp(lo[1:]), np.exp(hi[1:])
+    with np.errstate(over="ignore"):
+        lo[1:], hi[1:] = np.exp(lo[1:]), np.exp(hi[1:])
     ivs = [Interval(float(v), float(a), float(b)) for v, a, b in zip(est, lo, hi)]
-    return CurveFit(fit, *ivs, level=level, num_points=m, replicates=reps)
+    return CurveFit(fit, *ivs, level=level, num_points=m, replicates=reps, warnings=identification_warnings(fit, c))
+
+
+def identification_warnings(fit: SigmoidFit, compute: np.ndarray) -> list[str]:
+    """A least-squares fit always returns numbers; these say when the data cannot pin them down, so nobody
+    quotes an asymptote from a curve that never bent (measured on a real 16-update SmolLM2 run that jumped
+    0.30 -> 0.59 before its first post-baseline eval and then hovered: A=173, C_mid=1e26)."""
+    out = []
+    lo, hi = float(compute.min()), float(compute.max())
+    if fit.c_mid > 10 * hi:
+        out.append(f"C_mid={fit.c_mid:.3g} is >10x beyond the last fitted point ({hi:.3g}): the curve has not bent "
+                   "toward an asymptote in the data, so A and C_mid are not identified")
+    if fit.c_mid < lo / 10:
+        out.append(f"C_mid={fit.c_mid:.3g} is <1/10 of the first fitted point ({lo:.3g}): the rise happened before "
+                   "the fit window (evaluate earlier/more often, or lower --fit-from)")
+    if not 0.0 <= fit.a <= 1.0:
+        out.append(f"A={fit.a:.3g} lies outside [0, 1]: not a possible pass rate")
+    return out

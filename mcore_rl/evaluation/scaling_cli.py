@@ -54,10 +54,12 @@ def report(rf: RunFit, extrapolate: list[float]) -> dict:
     print(f"{c.name}: {f.num_points} points fitted, R0={f.fit.r0:.4g}, rmse={f.fit.rmse:.3g} "
           f"({f.level:.0%} simultaneous intervals)")
     print(f"  A     = {f.a.text()}\n  B     = {f.b.text()}\n  C_mid = {f.c_mid.text()}")
+    for w in f.warnings:
+        print(f"  warning: {w}")
     out = {"run": c.name, "num_points": f.num_points, "r0": f.fit.r0, "rmse": f.fit.rmse, "level": f.level,
            **{k: {"value": iv.value, "lo": iv.lo, "hi": iv.hi} for k, iv in (("A", f.a), ("B", f.b),
                                                                              ("C_mid", f.c_mid))},
-           "extrapolate": [], "held_out": []}
+           "extrapolate": [], "held_out": [], "warnings": f.warnings}
     for cx in extrapolate:
         p = f.predict(cx)
         print(f"  R({cx:.4g}) = {p.text()}")

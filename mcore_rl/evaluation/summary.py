@@ -28,7 +28,7 @@ def run_summary(run_dir: str | Path) -> str:
         phases["eval"] = sum(r.get("time_eval", 0.0) for r in evals)
         total = sum(phases.values())
         wall = evals[-1].get("wallclock_s") if evals else None
-        parts = ", ".join(f"{k} {_fmt_s(v)} ({v / max(total, 1e-9):.0%})" for k, v in phases.items() if v > 0)
+        parts = ", ".join(f"{k} {_fmt_s(v)} ({v / max(total, 1e-9):.0%})" for k, v in phases.items() if v >= 0.05)
         lines.append(f"  {len(train)} updates; time by phase: {parts}"
                      + (f"; wall-clock {_fmt_s(wall)}" if wall is not None else ""))
         if evals and "flops" in evals[-1]:

@@ -129,3 +129,18 @@ def test_cli_errors_name_the_run_and_other_runs_still_fit(tmp_path, _cli):
     (tmp_path / "bad" / "eval.jsonl").write_text('{"step": 0, "mean_at_k": 0.1}\n{oops\n')
     proc = _cli("fit", str(tmp_path / "bad"), "--out", str(tmp_path / "q.png"))
     assert proc.returncode == 2 and "eval.jsonl line 2: not JSON" in proc.stderr
+
+
+def test_unidentified_fits_are_flagged_on_a_real_runs_curve():
+    """Held-out mean@4 of a real 16-update SmolLM2 run (eval every 2 updates, 16 prompts): it jumped before the
+    first post-baseline eval and then hovered, so no sigmoid is identified; the fit must say so."""
+    steps = np.arange(2.0, 17.0, 2.0)
+    values = np.array([0.59375, 0.5625, 0.546875, 0.53125, 0.5625, 0.578125, 0.59375, 0.703125])
+    f = bootstrap_fit(steps, values, 0.296875, num_boot=200)
+    assert f.warnings, (f.a, f.c_mid)
+    assert any("not identified" in w or "before the fit window" in w for w in f.warnings)
+    early = bootstrap_fit(steps[:5], values[:5], 0.296875, num_boot=200)
+    assert any("before the fit window" in w for w in early.warnings), early.warnings
+    # a well-sampled synthetic curve raises none
+    c = np.geomspace(20, 5000, 16)
+    assert bootstrap_fit(c, _noisy(c, 0), TRUE["r0"], num_boot=200).warnings == []
