@@ -126,7 +126,7 @@ def test_local_files_gsm8k_and_boxed_answers_and_scorers(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_arithmetic_pass_at_k(smollm2_dir, tmp_path):
-    """~2-4 min on 2 cores: SmolLM2-135M on 16 a+b prompts, n=4; it gets some right (~28% per sample)."""
+    """~80 s on 2 shared cores: SmolLM2-135M on 16 a+b prompts, n=4; it gets some right (~28% per sample)."""
     out = tmp_path / "r.jsonl"
     proc = _eval(str(smollm2_dir), "--num-prompts", "16", "-n", "4", "--max-new-tokens", "32", "--out", str(out),
                  "--no-progress", timeout=900)
