@@ -29,7 +29,8 @@ from mcore_rl.trainer.setup import (
     resolve_model_dir,
     validate_config,
 )
-from mcore_rl.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint
+from mcore_rl.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint, sweep_stale
+from mcore_rl.trainer.update import NonFiniteGuard
 
 log = logging.getLogger("mcore_rl")
 
@@ -89,6 +90,7 @@ class Run:
             self.reward_fn = build_reward(OmegaConf.to_container(cfg.reward, resolve=True))
         self.logger = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                     config=OmegaConf.to_container(cfg, resolve=True))
+        self.guard = NonFiniteGuard(max_consecutive=cfg.trainer.max_nonfinite_skips)
         self.stop = StopFlag()
         self.stop.install()
         self.update = 0
@@ -115,7 +117,9 @@ class Run:
         return self.run_dir / "checkpoints"
 
     def _resume_or_start(self) -> None:
-        ckpt = latest_checkpoint(self.ckpt_root) if self.cfg.trainer.resume == "auto" else None
+        if self.rank == 0:
+            sweep_stale(self.ckpt_root)
+        ckpt = latest_checkpoint(self.ckpt_root, report=True) if self.cfg.trainer.resume == "auto" else None
         need_sync = bool(self.cfg.model.mcore_ckpt)
         if ckpt is not None:
             meta, extra = load_checkpoint(ckpt, self.policy)
