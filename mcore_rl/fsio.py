@@ -9,7 +9,8 @@ folders from a crash are swept by `sweep_stale`.
 
 Test hooks: `fault_point(name, step)` SIGKILLs the process when `MCORE_RL_CRASH_AT` names that point (`name` or
 `name:step`), so crash tests kill at exact save points instead of racing a timer. `MCORE_RL_FSYNC_LOG=<file>`
-appends every fsynced path, so a test can simulate power loss by truncating everything that was not fsynced.
+appends `<inode> <path>` for every fsync (the inode survives the renames that follow), so a test can simulate
+power loss by truncating every file that was never fsynced.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _log_fsync(path: Path) -> None:
     log = os.environ.get(FSYNC_LOG_ENV)
     if log:
         with open(log, "a") as f:
-            f.write(f"{os.path.abspath(path)}\n")
+            f.write(f"{os.stat(path).st_ino} {os.path.abspath(path)}\n")
 
 
 def fsync_file(path: str | Path) -> None:
