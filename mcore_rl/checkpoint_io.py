@@ -13,12 +13,14 @@ Loading reshards to whatever TP/PP the loading job uses.
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl import fsio
 from mcore_rl.agreement import FatalRunError, any_rank
@@ -27,6 +29,7 @@ from mcore_rl.distributed import global_rank
 COMPLETE = "complete.json"
 FILES_KEY = "_files"
 SMALL_FILE = 1 << 20  # files up to this size also get a CRC32 in the manifest (the big shards: size only)
+DISK_FULL_BYTES = 1 << 20  # less free space than this after a failed write: report the disk as full
 
 
 class CheckpointWriteError(FatalRunError):
@@ -103,11 +106,30 @@ def _fsync_own_files(tmp: Path, rank: int) -> None:
             fsio.fsync_file(f)
 
 
+def _one_line(e: BaseException) -> str:
+    """DCP wraps a writer's error in a multi-line CheckpointException: its last line is the cause."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 def _fail(final: Path, tmp: Path, err: str | None) -> None:
+    """Every rank raises the same error; rank 0 removes the partial folder. Writers often mask ENOSPC (torch's
+    zip writer reports "unexpected pos"), so the free space, measured before the cleanup, names the cause."""
+    free = _free_bytes(final.parent)
+    _barrier()  # everyone measured before the partial folder goes
     if global_rank() == 0:
         fsio.discard(tmp)
     _barrier()
     why = err or "another rank failed to write its part"
+    if free is not None and free < DISK_FULL_BYTES:
+        why = f"disk full ({free} bytes free on {final.parent}) - {why}"
     raise CheckpointWriteError(f"checkpoint save to {final} failed on rank {global_rank()}: {why}; "
                                f"the previous checkpoint is intact and {tmp.name} was removed")
 
@@ -152,8 +174,8 @@ def save_dist_checkpoint(
         if rank_state is not None:
             torch.save(rank_state, tmp / f"rank_{global_rank():05d}.pt")
         _fsync_own_files(tmp, global_rank())
-    except Exception as e:  # noqa: BLE001 - ENOSPC surfaces as OSError or wrapped by Megatron/DCP
-        err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - ENOSPC arrives as OSError or wrapped by DCP
+        err = _one_line(e)
     if any_rank(err is not None):  # one all-reduce: every rank learns of any rank's failure at once
         _fail(final, tmp, err)
     if global_rank() == 0:
