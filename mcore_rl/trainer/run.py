@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from mcore_rl.agreement import FatalRunError
 from mcore_rl.algorithms import build_algorithm
 from mcore_rl.distributed import init_distributed
 from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
+from mcore_rl.rewards.base import failure_counts
 from mcore_rl.rollout.megatron_sync import sync_weights
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
 from mcore_rl.trainer import prompts as prompt_src
@@ -174,13 +176,21 @@ class Run:
 
     def score(self, samples, prompts):
         G = self.cfg.trainer.samples_per_prompt
-        payload = None
+        payload = failures = None
         if self.rank == 0:
             answers = [p.answer for p in prompts for _ in range(G)]
-            results = self.reward_fn.score([s.text or "" for s in samples], answers)
-            payload = ([r.score for r in results], [bool(r.correct) for r in results])
-            self.data.observe([p.prompt_id for p in prompts for _ in range(G)], payload[0])
-        rewards, correct = _broadcast(payload)
+            try:
+                results = self.reward_fn.score([s.text or "" for s in samples], answers)
+            except FatalRunError as e:  # every rank must stop, not wait in the broadcast below
+                payload = str(e)
+            else:
+                payload = ([r.score for r in results], [bool(r.correct) for r in results])
+                failures = failure_counts(results)
+                self.data.observe([p.prompt_id for p in prompts for _ in range(G)], payload[0])
+        payload = _broadcast(payload)
+        if isinstance(payload, str):
+            raise FatalRunError(payload)
+        rewards, correct = payload
         group_ids = [i // G for i in range(len(samples))]
         rb = build_rollout_batch(samples, rewards, correct, group_ids, pad_id=0)
         lengths = rb.response_len
@@ -194,6 +204,7 @@ class Run:
         }
         if self.rank == 0:
             metrics.update(self.data.metrics())
+            metrics.update(failures)
         return rb, metrics
 
     def anchors(self, rb) -> dict[str, torch.Tensor]:

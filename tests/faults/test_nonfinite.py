@@ -23,6 +23,7 @@ def _check_skipped_update(run_dir, tmp_path, logger_saw_nan: bool = True) -> Non
     assert recs[2]["nonfinite_skipped"] == 1.0 and recs[2]["update_ok"] == 0.0
     assert math.isnan(recs[2]["loss"]) == logger_saw_nan  # logged as NaN, not dropped
     assert recs[1]["nonfinite_skipped"] == 0.0 and recs[3]["nonfinite_skipped"] == 0.0
+    assert recs[1]["reward_crashes"] == recs[1]["reward_timeouts"] == recs[1]["reward_errors"] == 0.0  # per step
     # the update after the skip trains on rollouts from the engine that got the (untouched) weights: all finite
     for key in ("loss", "grad_norm", "reward_mean", "train_rollout_logprob_abs_diff"):
         assert math.isfinite(recs[3][key]), (key, recs[3][key])
