@@ -135,6 +135,22 @@ def commit_staging(tmp: str | Path, final: str | Path, on_swap=None) -> Path:
     return final
 
 
+def publish_new(tmp: str | Path, final: str | Path) -> bool:
+    """Durably rename a fully written `tmp` to a `final` that must not exist yet (a cache entry several processes
+    may race to create). Returns False, removing `tmp`, when another process published `final` first."""
+    tmp, final = Path(tmp), Path(final)
+    fsync_tree(tmp)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        discard(tmp)
+        return False
+    fsync_dir(final.parent)
+    return True
+
+
 def discard(path: str | Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
