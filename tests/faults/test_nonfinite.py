@@ -48,6 +48,7 @@ def test_nan_loss_skipped_single_rank(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # ~25 s quiet, ~45 s loaded (one torchrun launch)
 def test_nan_loss_on_one_rank_skipped_by_all_tp2(tmp_path):
     """NaN only on rank 1 of a TP=2 run: rank 0's own loss is finite, yet both ranks skip (they agree)."""
     proc = train(*RUN, "parallel=tp2", f"run.dir={tmp_path / 'run'}", nproc=2, timeout=400,
