@@ -85,8 +85,12 @@ def _inject_nan(update_index: int | None) -> bool:
 
 def local_grad_norm(model) -> float:
     """This rank's gradient norm (Megatron DDP keeps gradients in `main_grad`)."""
-    grads = [g for p in model.parameters() if (g := getattr(p, "main_grad", None) if getattr(p, "main_grad", None)
-                                                 is not None else p.grad) is not None]
+    grads = []
+    for p in model.parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if g is not None:
+            grads.append(g)
     if not grads:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
