@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from mcore_rl import fsio
+from mcore_rl.agreement import any_rank
 from mcore_rl.checkpoint_io import (
+    CheckpointWriteError,
     load_dist_checkpoint,
     load_rank_state,
     save_dist_checkpoint,
@@ -91,13 +92,18 @@ def save_checkpoint(ckpt_root: str | Path, update: int, policy, trainer_state: d
     save_dist_checkpoint(path, policy.model, policy.optimizer, meta=meta, overwrite=True, rank_state=rank_state,
                          step=update)
     fsio.fault_point("after_rename", update)
+    err = None
     if global_rank() == 0:
-        fsio.write_file_atomic(root / "latest", path.name)
-        fsio.fault_point("after_latest", update)
-        for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
-            fsio.remove_tree(old, on_renamed=lambda: fsio.fault_point("during_prune", update))
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            fsio.write_file_atomic(root / "latest", path.name)
+            fsio.fault_point("after_latest", update)
+            for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
+                fsio.remove_tree(old, on_renamed=lambda: fsio.fault_point("during_prune", update))
+        except OSError as e:
+            err = f"{type(e).__name__}: {e}"
+    if any_rank(err is not None):  # also the closing sync point: every rank hears of rank 0's failure
+        raise CheckpointWriteError(f"checkpoint {path.name} was saved but updating {root / 'latest'} or pruning "
+                                   f"failed: {err or 'on rank 0'}; a restart resumes from the newest verified step")
     return path
 
 
