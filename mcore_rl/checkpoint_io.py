@@ -1,24 +1,39 @@
-"""Megatron dist-checkpoint (torch_dist) I/O for the policy, written atomically.
+"""Megatron dist-checkpoint (torch_dist) I/O for the policy, written atomically and durably, verified on load.
 
-A checkpoint directory is first written as `<name>.tmp` and renamed into place only after every rank finished and
-a `complete` marker is inside, so an interrupted save can never look like a finished checkpoint. Loading reshards
-to whatever TP/PP the loading job uses.
+A checkpoint directory is written as `<name>.tmp`, every file is fsynced, a `complete.json` manifest (meta + every
+file's size + a CRC32 of the small files) is written last, and only then is the folder renamed into place and its
+parent fsynced (mcore_rl.fsio). So an interrupted save never looks finished, and after a power loss a "complete"
+checkpoint cannot hold empty files unnoticed: `verify_checkpoint` compares the manifest with what is on disk.
+
+A failed write (disk full) is agreed on by every rank with one all-reduce, so all ranks raise the same clear error
+at once instead of waiting in the next collective; the temp folder is removed and the previous checkpoint stays.
+Loading reshards to whatever TP/PP the loading job uses.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from mcore_rl import fsio
+from mcore_rl.agreement import FatalRunError, any_rank
 from mcore_rl.distributed import global_rank
 
 COMPLETE = "complete.json"
+FILES_KEY = "_files"
+SMALL_FILE = 1 << 20  # files up to this size also get a CRC32 in the manifest (the big shards: size only)
+DISK_FULL_BYTES = 1 << 20  # less free space than this after a failed write: report the disk as full
+
+
+class CheckpointWriteError(FatalRunError):
+    """Saving failed on some rank (e.g. ENOSPC); raised on every rank."""
 
 
 def _barrier() -> None:
@@ -41,10 +56,82 @@ def is_complete(path: str | Path) -> bool:
     return (Path(path) / COMPLETE).is_file()
 
 
+def _crc32(path: Path) -> int:
+    return zlib.crc32(path.read_bytes()) & 0xFFFFFFFF
+
+
+def file_manifest(folder: Path) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != COMPLETE:
+            size = p.stat().st_size
+            entry = {"size": size}
+            if size <= SMALL_FILE:
+                entry["crc32"] = _crc32(p)
+            out[str(p.relative_to(folder))] = entry
+    return out
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None when `path` is complete and every file matches its manifest entry; else why not (one line)."""
+    p = Path(path)
+    if not is_complete(p):
+        return f"{p}: no {COMPLETE}"
+    try:
+        manifest = json.loads((p / COMPLETE).read_text()).get(FILES_KEY, {})
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{p}/{COMPLETE} unreadable ({type(e).__name__}: {e})"
+    for rel, entry in manifest.items():
+        f = p / rel
+        if not f.is_file():
+            return f"{f} missing"
+        size = f.stat().st_size
+        if size != entry["size"]:
+            return f"{f} has {size} bytes, manifest says {entry['size']}"
+        if "crc32" in entry and _crc32(f) != entry["crc32"]:
+            return f"{f} fails its CRC32 check"
+    return None
+
+
 def model_sharded_state_dict(model) -> dict:
     from mcore_rl.policy.build import unwrap
 
     return unwrap(model).sharded_state_dict(prefix="")
+
+
+def _fsync_own_files(tmp: Path, rank: int) -> None:
+    """Each rank makes its own shard files durable (on a shared filesystem only the writer's client can)."""
+    for f in tmp.iterdir():
+        if f.is_file() and (f.name.startswith(f"__{rank}_") or f.name == f"rank_{rank:05d}.pt"):
+            fsio.fsync_file(f)
+
+
+def _one_line(e: BaseException) -> str:
+    """DCP wraps a writer's error in a multi-line CheckpointException: its last line is the cause."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _fail(final: Path, tmp: Path, err: str | None) -> None:
+    """Every rank raises the same error; rank 0 removes the partial folder. Writers often mask ENOSPC (torch's
+    zip writer reports "unexpected pos"), so the free space, measured before the cleanup, names the cause."""
+    free = _free_bytes(final.parent)
+    _barrier()  # everyone measured before the partial folder goes
+    if global_rank() == 0:
+        fsio.discard(tmp)
+    _barrier()
+    why = err or "another rank failed to write its part"
+    if free is not None and free < DISK_FULL_BYTES:
+        why = f"disk full ({free} bytes free on {final.parent}) - {why}"
+    raise CheckpointWriteError(f"checkpoint save to {final} failed on rank {global_rank()}: {why}; "
+                               f"the previous checkpoint is intact and {tmp.name} was removed")
 
 
 def save_dist_checkpoint(
@@ -55,45 +142,52 @@ def save_dist_checkpoint(
     meta: dict[str, Any] | None = None,
     overwrite: bool = False,
     rank_state: dict[str, Any] | None = None,
+    step: int | None = None,
 ) -> Path:
-    """Save model (+ optimizer) shards from every rank into `path`, atomically. Collective call.
+    """Save model (+ optimizer) shards from every rank into `path`, atomically and durably. Collective call.
 
     `rank_state`: per-rank extras (RNG states, EWMA shards, ...) saved as `rank_XXXXX.pt` inside the same
     atomic directory; load them back with `load_rank_state` (weights_only, so keep them to tensors/containers).
+    `step` only names the save for the crash-test hooks (fsio.fault_point).
     """
     from megatron.core import dist_checkpointing
 
     final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = fsio.staging_path(final)
+    err = None
     if global_rank() == 0:
-        if final.exists():
-            if not overwrite:
-                raise FileExistsError(f"checkpoint {final} exists; pass overwrite/--force to replace it")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            fsio.prepare_staging(final, overwrite=overwrite)
+        except OSError as e:  # FileExistsError included: every rank must hear of it, not only rank 0
+            err = f"{type(e).__name__}: {e}"
+    if any_rank(err is not None):
+        _fail(final, tmp, err)
     sharded = {"model": model_sharded_state_dict(model)}
     if optimizer is not None:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
     if extra_sharded:
         sharded.update(extra_sharded)
     _use_in_process_results_queue()
-    dist_checkpointing.save(sharded, str(tmp))
-    if rank_state is not None:
-        torch.save(rank_state, tmp / f"rank_{global_rank():05d}.pt")
-    _barrier()
+    try:
+        dist_checkpointing.save(sharded, str(tmp))
+        fsio.fault_point("during_shards", step)
+        if rank_state is not None:
+            torch.save(rank_state, tmp / f"rank_{global_rank():05d}.pt")
+        _fsync_own_files(tmp, global_rank())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - ENOSPC arrives as OSError or wrapped by DCP
+        err = _one_line(e)
+    if any_rank(err is not None):  # one all-reduce: every rank learns of any rank's failure at once
+        _fail(final, tmp, err)
     if global_rank() == 0:
-        (tmp / COMPLETE).write_text(json.dumps(meta or {}, indent=2, default=str))
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    _barrier()
+        try:
+            record = {**(meta or {}), FILES_KEY: file_manifest(tmp)}
+            fsio.write_file_atomic(tmp / COMPLETE, json.dumps(record, indent=2, default=str))
+            fsio.fault_point("after_complete", step)
+            fsio.commit_staging(tmp, final, on_swap=lambda: fsio.fault_point("between_swap", step))
+        except OSError as e:
+            err = f"{type(e).__name__}: {e}"
+    if any_rank(err is not None):
+        _fail(final, tmp, err)
     return final
 
 
@@ -118,6 +212,7 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
     state.pop("model", None)
     state.pop("optimizer", None)
     meta = json.loads((p / COMPLETE).read_text())
+    meta.pop(FILES_KEY, None)
     meta["_extra"] = state
     _barrier()
     return meta
@@ -126,3 +221,4 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
 def load_rank_state(path: str | Path) -> dict[str, Any] | None:
     f = Path(path) / f"rank_{global_rank():05d}.pt"
     return torch.load(f, weights_only=True) if f.is_file() else None
+

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ def memory_gb() -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Rank-0 sink. `log(step, metrics)` appends one JSON line and one TensorBoard scalar per metric."""
+    """Rank-0 sink. `log(step, metrics)` appends one JSON line and one TensorBoard scalar per metric (NaN and inf
+    included: they are logged as such)."""
 
     def __init__(self, run_dir: str | Path, cfg: Any | None = None, enabled: bool = True, config: dict | None = None):
         self.dir = Path(run_dir)
@@ -50,7 +50,9 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         if not self.enabled:
             return
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        # Non-finite values are kept: a NaN loss must show up as NaN (JSON `NaN`/`Infinity`, which Python's json
+        # reads back), never vanish so the run looks healthy.
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         record = {"step": step, "time": time.time(), **clean}
         self._write(self.jsonl if kind == "train" else self.eval_jsonl, record)
         if self._tb is not None:

@@ -8,7 +8,6 @@ finished checkpoint; a stale half-written sibling is swept by the next run.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mcore_rl import fsio
 
 # CLI spelling -> torch dtype -> HF config spelling
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,43 +105,10 @@ def staged_output(out: str | Path, force: bool) -> Iterator[Path]:
         yield stage
         if not stage.is_dir():
             raise ConvertError(f"internal error: conversion produced no output in {stage}")
-        fsync_tree(stage)
-        if out.exists():  # --force: keep the old result until the new one is in place
-            old = stage.with_name(stage.name + ".old")
-            os.replace(out, old)
-            os.replace(stage, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(stage, out)
-        _fsync_dir(out.parent)
+        fsio.commit_staging(stage, out)  # fsync the tree, rename (keeping the old result until then), fsync parent
     except BaseException:
         _sweep(stage)
         raise
-
-
-def fsync_tree(folder: Path) -> None:
-    """Flush every file so the rename that publishes the folder never points at unwritten data."""
-    for root, _dirs, files in os.walk(folder):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read_ckpt_meta(ckpt: Path) -> dict[str, Any]:

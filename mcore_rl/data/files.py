@@ -20,22 +20,53 @@ class BadJson(str):
     """Marks a row that could not be decoded (value = the reason)."""
 
 
+MAX_DEPTH = 64  # deeper rows are junk or an attack on the parser, never a prompt
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of a decoded JSON value, without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        x, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        if isinstance(x, dict):
+            stack += [(v, d + 1) for v in x.values()]
+        elif isinstance(x, list):
+            stack += [(v, d + 1) for v in x]
+    return deepest
+
+
+def _decode_row(raw: bytes) -> Any:
+    """One JSON line -> the row, or BadJson naming why it cannot be one (bytes, syntax, nesting)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadJson(f"undecodable:{e.reason} at byte {e.start}")
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        return BadJson(f"bad_json:{e.msg} at column {e.colno}")
+    except RecursionError:
+        return BadJson(f"too_deep:nesting beyond the parser's limit (max {MAX_DEPTH})")
+    if _depth(row) > MAX_DEPTH:
+        return BadJson(f"too_deep:nesting deeper than {MAX_DEPTH}")
+    return row
+
+
 def _jsonl_rows(path: Path, json_field: str | None) -> RowIter:
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
+    with path.open("rb") as f:
+        for i, raw in enumerate(f):
+            if not raw.strip():
                 continue
-            try:
-                yield i, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield i, BadJson(f"bad_json:{e.msg} at column {e.colno}")
+            yield i, _decode_row(raw)
 
 
 def _json_rows(path: Path, json_field: str | None) -> RowIter:
-    text = path.read_text(encoding="utf-8", errors="replace")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         yield from _jsonl_rows(path, json_field)  # a .json file holding JSON lines, like HF's json builder
         return
     if isinstance(data, dict):
@@ -47,7 +78,8 @@ def _json_rows(path: Path, json_field: str | None) -> RowIter:
         data = data[json_field]
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a list of row objects, got {type(data).__name__}")
-    yield from enumerate(data)
+    for i, row in enumerate(data):
+        yield i, row if _depth(row) <= MAX_DEPTH else BadJson(f"too_deep:nesting deeper than {MAX_DEPTH}")
 
 
 def _parquet_rows(path: Path, json_field: str | None) -> RowIter:

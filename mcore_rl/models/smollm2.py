@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from mcore_rl import fsio
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE = Path(os.environ.get("MCORE_RL_CACHE", Path.home() / ".cache" / "mcore_rl"))
 
@@ -61,11 +63,7 @@ def materialize_smollm2(cache_dir: str | Path | None = None, dtype: str = "float
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process (e.g. a second rank) finished first: keep its folder
-            if not (out / "config.json").is_file():
-                raise
+        fsio.publish_new(tmp, out)  # durable; if another process (a second rank) finished first, keep its folder
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Rewards: math-verify in a killable process pool, a format reward, and a registry for Hydra."""
 
-from mcore_rl.rewards.base import RewardFn, RewardResult, reward_metrics
+from mcore_rl.rewards.base import CrashRateGuard, RewardFn, RewardResult, failure_counts, reward_metrics
 from mcore_rl.rewards.extract import Extraction, extract_answer
 from mcore_rl.rewards.format_reward import FormatConfig, FormatReward
 from mcore_rl.rewards.pool import VerifierPool
@@ -10,6 +10,7 @@ from mcore_rl.rewards.verifier import MathVerifyConfig, MathVerifyReward
 __all__ = [
     "REWARDS",
     "CombinedReward",
+    "CrashRateGuard",
     "Extraction",
     "FormatConfig",
     "FormatReward",
@@ -20,6 +21,7 @@ __all__ = [
     "VerifierPool",
     "build_reward",
     "extract_answer",
+    "failure_counts",
     "register_reward",
     "reward_metrics",
 ]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from mcore_rl.rewards.worker import CaseResult, WorkerOptions, worker_main
+from mcore_rl.rewards.worker import MEMORY_LIMIT, CaseResult, WorkerOptions, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,9 @@ class VerifierPool:
                     w.case = None
                     w.served += 1
                     remaining -= 1
-                    if self.max_tasks_per_worker and w.served >= self.max_tasks_per_worker:
+                    if result[2] == MEMORY_LIMIT:
+                        self._replace(w, kill=False)  # it exits after a memory-limit case: never send it another
+                    elif self.max_tasks_per_worker and w.served >= self.max_tasks_per_worker:
                         self._replace(w, kill=False)  # recycle: sympy caches grow without bound
             remaining -= self._enforce_deadlines(out)
         return out  # type: ignore[return-value]

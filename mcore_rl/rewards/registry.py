@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mcore_rl.rewards.base import RewardFn, RewardResult, check_lengths
+from mcore_rl.rewards.base import CrashRateGuard, RewardFn, RewardResult, check_lengths
 from mcore_rl.rewards.format_reward import FormatConfig, FormatReward
 from mcore_rl.rewards.verifier import MathVerifyConfig, MathVerifyReward
 from mcore_rl.utils import config_from_dict
@@ -77,8 +77,15 @@ def _plain(cfg: Any) -> dict[str, Any]:
 
 
 def build_reward(cfg: Mapping[str, Any] | Any) -> RewardFn:
-    """From `{name: "math_verify+format", weights: {...}, math_verify: {...}, format: {...}}`."""
+    """From `{name: "math_verify+format", weights: {...}, max_crash_rate: 0.5, math_verify: {...}, ...}`.
+    With `max_crash_rate` set, the reward stops the run when that share of a step's cases crash."""
     cfg = _plain(cfg)
+    max_crash_rate = cfg.pop("max_crash_rate", None)
+    fn = _build(cfg)
+    return fn if max_crash_rate is None else CrashRateGuard(fn, float(max_crash_rate))
+
+
+def _build(cfg: dict[str, Any]) -> RewardFn:
     name = cfg.get("name")
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward.name must be a non-empty string like 'math_verify'; got {name!r}")

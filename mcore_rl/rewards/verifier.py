@@ -13,7 +13,7 @@ from mcore_rl.rewards.worker import WorkerOptions
 logger = logging.getLogger(__name__)
 
 # Failures that mean the verifier (not the model) had a problem: worth a warning.
-_LOUD = ("timeout", "worker_crash", "error")
+_LOUD = ("timeout", "worker_crash", "memory_limit", "error")
 
 
 @dataclass
@@ -26,6 +26,7 @@ class MathVerifyConfig:
     mp_context: str = "forkserver"  # or spawn; never fork (the trainer holds torch/gloo threads)
     max_tasks_per_worker: int = 0  # >0: recycle workers after that many cases (bounds sympy cache growth)
     startup_timeout_s: float = 120.0
+    memory_limit_mb: int = 4096  # address space a worker may grow by (RLIMIT_AS); past it: 0, "memory_limit"
 
 
 def _prefilter(response: object, answer: object) -> RewardResult | None:
@@ -52,6 +53,7 @@ class MathVerifyReward:
             cpu_limit_s=int(cfg.timeout_s) + 5,
             max_answer_chars=cfg.max_answer_chars,
             max_nesting=cfg.max_nesting,
+            memory_limit_mb=cfg.memory_limit_mb,
         )
         self.pool = VerifierPool(
             num_workers=cfg.num_workers,

@@ -4,7 +4,12 @@ Why a process: math-verify/sympy can hang inside C code (`9**9**9`), which no in
 and its own timeouts use signal.alarm, which raises in threads. So math-verify runs here with its timeouts
 off and the parent kills the worker at the per-case deadline. No in-process timer on purpose: an alarm that
 fires mid-import or mid-cache-update leaves a half-initialised process that fails every later case (seen
-under load: AttributeError on every gold). RLIMIT_CPU bounds a worker whose parent died mid-case.
+under load: AttributeError on every gold). RLIMIT_CPU bounds a worker whose parent died mid-case; RLIMIT_AS bounds
+its memory (sympy on adversarial input can allocate without bound): past it the case scores 0 with reason
+`memory_limit` and the worker exits, so the pool replaces it with a clean one.
+
+`MCORE_RL_FAULT_REWARD` (read by the parent when the options are made) is a fault-suite hook: `crash` makes every
+case kill its worker, `alloc` makes every case allocate without bound.
 """
 
 from __future__ import annotations
@@ -14,13 +19,46 @@ import logging
 import os
 import resource
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.rewards.extract import extract_answer, max_brace_depth
 
 # (score, correct, reason, extracted): a plain tuple crosses the pipe cheaply.
 CaseResult = tuple[float, bool, str, str | None]
+FAULT_ENV = "MCORE_RL_FAULT_REWARD"
+MEMORY_LIMIT = "memory_limit"
+
+
+def _vm_size_bytes() -> int:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def limit_address_space(extra_mb: int) -> None:
+    """Cap this process's address space at its current size + `extra_mb` (0 = no cap). Relative on purpose: a
+    worker forked from a server that imported torch already maps gigabytes it never touches."""
+    if extra_mb <= 0:
+        return
+    limit = _vm_size_bytes() + extra_mb * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _inject_fault(kind: str) -> None:
+    if kind == "crash":
+        os._exit(3)
+    if kind == "alloc":
+        hog = []
+        while True:
+            hog.append(bytearray(64 * 2**20))
 
 
 @dataclass(frozen=True)
@@ -28,6 +66,8 @@ class WorkerOptions:
     cpu_limit_s: int = 10  # per-case CPU budget enforced by the kernel (orphan guard; SIGXCPU kills)
     max_answer_chars: int = 512  # longer candidates are junk, not answers
     max_nesting: int = 32
+    memory_limit_mb: int = 4096  # address space a worker may add on top of its warmed-up size (RLIMIT_AS)
+    fault: str | None = field(default_factory=lambda: os.environ.get(FAULT_ENV) or None)
 
 
 def _parse(text: str) -> list:
@@ -84,7 +124,11 @@ def _guarded(response: str, gold: str, opts: WorkerOptions) -> CaseResult:
     if hard == resource.RLIM_INFINITY or soft <= hard:
         resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
     try:
+        if opts.fault:
+            _inject_fault(opts.fault)
         return verify_case(response, gold, opts)
+    except MemoryError:
+        return 0.0, False, MEMORY_LIMIT, None
     except RecursionError:
         return 0.0, False, "too_nested", None
     except Exception as e:  # noqa: BLE001 - any verifier bug scores 0 with its type, never kills the batch
@@ -98,13 +142,17 @@ def worker_main(conn: Any, opts: WorkerOptions) -> None:
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # "timeout disabled" notices: we time out
     try:
         verify_case("\\boxed{1}", "1", opts)  # pay sympy/latex2sympy lazy imports before announcing readiness
+        limit_address_space(opts.memory_limit_mb)
         conn.send(("ready", os.getpid()))
         while True:
             msg = conn.recv()
             if msg is None:
                 break
             idx, response, gold = msg
-            conn.send(("result", idx, _guarded(response, gold, opts)))
+            result = _guarded(response, gold, opts)
+            conn.send(("result", idx, result))
+            if result[2] == MEMORY_LIMIT:
+                break  # a process that hit its limit may hold half-built caches: the pool starts a fresh one
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # parent went away: exit quietly, never linger as an orphan
     finally:

@@ -47,7 +47,7 @@ def train(run) -> dict[str, float]:
             if run.ewma is not None:  # PPO-EWMA: proximal log-probs under the current EWMA weights
                 part["prox_logp"] = run.prox_logp(rb.select(rows))
             metrics = run_update(policy, alg, rb.select(rows), adv.advantages[rows], adv.keep[rows], part,
-                                 cfg.trainer.temperature, run.ewma)
+                                 cfg.trainer.temperature, run.ewma, guard=run.guard, update_index=run.update + 1)
             run.update += 1
             metrics["time_train"] = time.perf_counter() - t0
             metrics.update({k: v / n_up for k, v in times.items() if k != "time_switch"})  # spread over the round

@@ -36,9 +36,11 @@ class PromptSource:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._cache: dict[str, list[int]] = {}
         spec = OmegaConf.to_container(cfg.data, resolve=True)
         sampler_cfg = spec.get("sampler") or {}
         self.train = _dataset(spec, "data")
+        self.train = self._drop_overlong(self.train, model_dir, cfg.trainer.max_new_tokens, "data")
         self.per_update = cfg.trainer.prompts_per_update
         self.history = None
         retire = getattr(algorithm.config, "retire_pass_rate", None)
@@ -49,10 +51,28 @@ class PromptSource:
         self.sampler = PromptSampler(self.train, batch_size=self.per_update, seed=sampler_cfg.get("seed", cfg.seed),
                                      shuffle=sampler_cfg.get("shuffle", True),
                                      skip=self.history.is_retired if self.history else None)
+        self.model_dir, self.eval_max_new_tokens = model_dir, cfg.eval.max_new_tokens
         self.eval_spec = self._eval_spec(cfg, spec)
         self._eval: list[Prompt] | None = None
         self.stop_token_ids = [t for t in {self.tokenizer.eos_token_id} if t is not None]
-        self._cache: dict[str, list[int]] = {}
+
+    def _drop_overlong(self, ds, model_dir: Path, max_new_tokens: int, where: str):
+        """Rows the engine would reject (prompt + max_new_tokens > context) are counted and skipped at load."""
+        import json
+
+        from mcore_rl.data.filters import drop_overlong
+
+        context = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+        if not context:
+            return ds
+        before = ds.summary.num_skipped
+        try:
+            ds = drop_overlong(ds, lambda r: len(self._render(r).prompt_ids), max_new_tokens, int(context))
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if ds.summary.num_skipped > before:
+            log.warning("%s: %s", where, ds.summary.line())
+        return ds
 
     @staticmethod
     def _eval_spec(cfg: DictConfig, train_spec: dict) -> dict | None:
@@ -81,6 +101,8 @@ class PromptSource:
     def eval_prompts(self) -> list[Prompt]:
         if self._eval is None:
             ds = _dataset(self.eval_spec, "eval.data") if self.eval_spec else []
+            if ds:
+                ds = self._drop_overlong(ds, self.model_dir, self.eval_max_new_tokens, "eval.data")
             self._eval = [self._render(r) for r in list(ds)[: len(ds)]]
         return self._eval
 
@@ -91,7 +113,7 @@ class PromptSource:
             self.history.update(prompt_ids, torch.tensor(rewards))
 
     def metrics(self) -> dict[str, float]:
-        m = {"data_epoch": float(self.sampler.epoch)}
+        m = {"data_epoch": float(self.sampler.epoch), "data_rows_skipped": float(self.train.summary.num_skipped)}
         if self.history is not None:
             m.update({f"pass_rate_{k}": float(v) for k, v in self.history.metrics().items()})
         return m

@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from mcore_rl.agreement import FatalRunError
 from mcore_rl.algorithms import build_algorithm
 from mcore_rl.distributed import init_distributed
 from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
+from mcore_rl.rewards.base import failure_counts
 from mcore_rl.rollout.megatron_sync import sync_weights
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
 from mcore_rl.trainer import prompts as prompt_src
@@ -29,7 +31,8 @@ from mcore_rl.trainer.setup import (
     resolve_model_dir,
     validate_config,
 )
-from mcore_rl.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint
+from mcore_rl.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint, sweep_stale
+from mcore_rl.trainer.update import NonFiniteGuard
 
 log = logging.getLogger("mcore_rl")
 
@@ -89,6 +92,7 @@ class Run:
             self.reward_fn = build_reward(OmegaConf.to_container(cfg.reward, resolve=True))
         self.logger = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                     config=OmegaConf.to_container(cfg, resolve=True))
+        self.guard = NonFiniteGuard(max_consecutive=cfg.trainer.max_nonfinite_skips)
         self.stop = StopFlag()
         self.stop.install()
         self.update = 0
@@ -122,7 +126,9 @@ class Run:
         return self.run_dir / "checkpoints"
 
     def _resume_or_start(self) -> None:
-        ckpt = latest_checkpoint(self.ckpt_root) if self.cfg.trainer.resume == "auto" else None
+        if self.rank == 0:
+            sweep_stale(self.ckpt_root)
+        ckpt = latest_checkpoint(self.ckpt_root, report=True) if self.cfg.trainer.resume == "auto" else None
         need_sync = bool(self.cfg.model.mcore_ckpt)
         if ckpt is not None:
             meta, extra = load_checkpoint(ckpt, self.policy)
@@ -179,15 +185,24 @@ class Run:
 
     def score(self, samples, prompts):
         G = self.cfg.trainer.samples_per_prompt
-        payload = None
+        payload = failures = None
         if self.rank == 0:
             answers = [p.answer for p in prompts for _ in range(G)]
-            results = self.reward_fn.score([s.text or "" for s in samples], answers)
-            payload = ([r.score for r in results], [bool(r.correct) for r in results])
-            self.data.observe([p.prompt_id for p in prompts for _ in range(G)], payload[0])
-            score_passes = int(self.algorithm.needs_old_logp) + int(self.ref is not None) + int(self.ewma is not None)
-            self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in samples], score_passes)
-        rewards, correct = _broadcast(payload)
+            try:
+                results = self.reward_fn.score([s.text or "" for s in samples], answers)
+            except FatalRunError as e:  # every rank must stop, not wait in the broadcast below
+                payload = str(e)
+            else:
+                payload = ([r.score for r in results], [bool(r.correct) for r in results])
+                failures = failure_counts(results)
+                self.data.observe([p.prompt_id for p in prompts for _ in range(G)], payload[0])
+                score_passes = (int(self.algorithm.needs_old_logp) + int(self.ref is not None)
+                                + int(self.ewma is not None))
+                self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in samples], score_passes)
+        payload = _broadcast(payload)
+        if isinstance(payload, str):
+            raise FatalRunError(payload)
+        rewards, correct = payload
         group_ids = [i // G for i in range(len(samples))]
         rb = build_rollout_batch(samples, rewards, correct, group_ids, pad_id=0)
         lengths = rb.response_len
@@ -201,6 +216,7 @@ class Run:
         }
         if self.rank == 0:
             metrics.update(self.data.metrics())
+            metrics.update(failures)
         return rb, metrics
 
     def anchors(self, rb) -> dict[str, torch.Tensor]:

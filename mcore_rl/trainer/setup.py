@@ -37,6 +37,7 @@ def validate_config(cfg: DictConfig) -> None:
                 "trainer.token_budget", "eval.samples_per_prompt"):
         _positive(cfg, key)
     _positive(cfg, "eval.every", allow_zero=True)
+    _positive(cfg, "trainer.max_nonfinite_skips")
     _positive(cfg, "eval.num_prompts", allow_zero=True)
     if cfg.trainer.temperature <= 0:
         raise ConfigError(f"trainer.temperature={cfg.trainer.temperature} must be > 0 for RL sampling")

@@ -1,23 +1,35 @@
 """Checkpoint everything a run needs to continue exactly: model, optimizer, LR schedule, RNG, data cursor, step,
-algorithm state (EWMA weights, pass-rate history). Atomic: each checkpoint dir is renamed into place complete, and
-the `latest` pointer is replaced last, so a crash at any point leaves the previous checkpoint usable.
+algorithm state (EWMA weights, pass-rate history).
+
+Crash-consistent: each checkpoint dir is renamed into place complete and durable, the `latest` pointer is replaced
+(and fsynced) after it, and old steps are pruned last by first renaming them out of the `step_*` namespace. So a
+crash at any point leaves a usable checkpoint. On resume, a step that fails verification (sizes/CRC against its
+manifest: e.g. files emptied by a power loss, or bit rot) is reported and the next older verified step is used.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import random
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from mcore_rl.checkpoint_io import is_complete, load_dist_checkpoint, load_rank_state, save_dist_checkpoint
+from mcore_rl import fsio
+from mcore_rl.agreement import any_rank
+from mcore_rl.checkpoint_io import (
+    CheckpointWriteError,
+    load_dist_checkpoint,
+    load_rank_state,
+    save_dist_checkpoint,
+    verify_checkpoint,
+)
 from mcore_rl.distributed import global_rank
+
+log = logging.getLogger("mcore_rl")
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -39,19 +51,34 @@ def _to_tuple(x):
     return tuple(_to_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
 
 
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
+
+
+def latest_checkpoint(ckpt_root: str | Path, report: bool = False) -> Path | None:
+    """The newest checkpoint that verifies: the `latest` pointer's target first, then step dirs newest first.
+    `report`: log each rejected step with the reason (the resume path does; status queries stay quiet)."""
     root = Path(ckpt_root)
+    candidates: list[Path] = []
     pointer = root / "latest"
     if pointer.is_file():
-        cand = root / pointer.read_text().strip()
-        if is_complete(cand):
+        candidates.append(root / pointer.read_text().strip())
+    candidates += [p for _, p in reversed(step_dirs(root)) if p not in candidates]
+    for cand in candidates:
+        why = verify_checkpoint(cand)
+        if why is None:
             return cand
-    # pointer missing or stale: newest complete step dir
-    steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
-    for _, p in reversed(steps):
-        if is_complete(p):
-            return p
+        if report and cand.exists():
+            log.warning("checkpoint %s rejected: %s; trying the next older one", cand.name, why)
     return None
+
+
+def sweep_stale(ckpt_root: str | Path) -> list[Path]:
+    """Rank 0 at start: remove `.tmp`/`.old` leftovers of a save or prune that a crash interrupted."""
+    gone = fsio.sweep_stale(ckpt_root)
+    for p in gone:
+        log.warning("removed stale checkpoint leftover %s", p)
+    return gone
 
 
 def save_checkpoint(ckpt_root: str | Path, update: int, policy, trainer_state: dict[str, Any],
@@ -62,16 +89,21 @@ def save_checkpoint(ckpt_root: str | Path, update: int, policy, trainer_state: d
     meta = {"update": update, "trainer": trainer_state,
             "scheduler": policy.scheduler.state_dict() if policy.scheduler else None}
     rank_state = {"rng": rng_state(), **(rank_extra or {})}
-    save_dist_checkpoint(path, policy.model, policy.optimizer, meta=meta, overwrite=True, rank_state=rank_state)
+    save_dist_checkpoint(path, policy.model, policy.optimizer, meta=meta, overwrite=True, rank_state=rank_state,
+                         step=update)
+    fsio.fault_point("after_rename", update)
+    err = None
     if global_rank() == 0:
-        tmp = root / "latest.tmp"
-        tmp.write_text(path.name)
-        os.replace(tmp, root / "latest")
-        steps = sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
-        for _, old in steps[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            fsio.write_file_atomic(root / "latest", path.name)
+            fsio.fault_point("after_latest", update)
+            for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
+                fsio.remove_tree(old, on_renamed=lambda: fsio.fault_point("during_prune", update))
+        except OSError as e:
+            err = f"{type(e).__name__}: {e}"
+    if any_rank(err is not None):  # also the closing sync point: every rank hears of rank 0's failure
+        raise CheckpointWriteError(f"checkpoint {path.name} was saved but updating {root / 'latest'} or pruning "
+                                   f"failed: {err or 'on rank 0'}; a restart resumes from the newest verified step")
     return path
 
 

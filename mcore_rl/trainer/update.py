@@ -3,17 +3,28 @@
 The algorithm's `token_weights` carry every global denominator (all-reduced over the data-parallel group), so the
 summed micro-batch losses are the batch loss whatever the micro-batch or DP split. Only the last pipeline stage
 sees the loss: step-level decisions (the deferred renormalisation scale, PPO-EWMA resets) are broadcast from it.
+
+Before the optimizer step, every rank agrees (one all-reduce, see `NonFiniteGuard`) whether the loss and the
+gradients are finite: Megatron's clipping lets NaN through without a grad scaler, so a non-finite update would
+otherwise reach the weights, the engine and the checkpoints.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from mcore_rl.agreement import FatalRunError, any_rank
 from mcore_rl.algorithms import Algorithm, TokenBatch, make_dist_reducer
 from mcore_rl.trainer.rollout_batch import RolloutBatch
+
+log = logging.getLogger("mcore_rl")
 
 
 def dp_reducer():
@@ -57,14 +68,76 @@ def mean_metrics(dicts: list[dict]) -> dict[str, float]:
     return out
 
 
+# ---- non-finite guard (kept apart from the update itself) ------------------------------------------------------
+INJECT_NAN_ENV = "MCORE_RL_INJECT_NAN_AT"  # test hook: "3" or "3,4,5" (updates), optional "@1" (only that rank)
+
+
+def _inject_nan(update_index: int | None) -> bool:
+    """Fault-suite hook: make this rank's loss NaN at the listed updates (1-based update index)."""
+    spec = os.environ.get(INJECT_NAN_ENV)
+    if not spec or update_index is None:
+        return False
+    updates, _, rank = spec.partition("@")
+    if rank and int(rank) != (dist.get_rank() if dist.is_initialized() else 0):
+        return False
+    return update_index in {int(x) for x in updates.split(",") if x.strip()}
+
+
+def local_grad_norm(model) -> float:
+    """This rank's gradient norm (Megatron DDP keeps gradients in `main_grad`)."""
+    grads = []
+    for p in model.parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if g is not None:
+            grads.append(g)
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))
+
+
+@dataclass
+class NonFiniteGuard:
+    """Skips updates whose loss or gradients are non-finite on any rank; stops the run after
+    `max_consecutive` skips in a row (a diverged run, not a one-off overflow)."""
+
+    max_consecutive: int = 3
+    consecutive: int = 0
+    total: int = 0
+
+    def should_skip(self, model, metrics: dict[str, float], update_index: int | None) -> bool:
+        """Collective: one all-reduce over all ranks. Updates the counters and `metrics` in place."""
+        losses = [v for k, v in metrics.items() if k in ADDITIVE]
+        bad = not all(math.isfinite(v) for v in losses) or not math.isfinite(local_grad_norm(model))
+        skip = any_rank(bad)
+        metrics["nonfinite_skipped"] = float(skip)
+        if not skip:
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        self.total += 1
+        metrics["nonfinite_skipped_total"] = float(self.total)
+        log.warning("update %s: non-finite loss or gradient on some rank (this rank: loss=%s); update skipped, "
+                    "weights and optimizer state untouched (%d in a row)", update_index,
+                    metrics.get("loss"), self.consecutive)
+        if self.consecutive >= self.max_consecutive:
+            raise FatalRunError(f"update {update_index}: {self.consecutive} consecutive non-finite updates "
+                                f"(trainer.max_nonfinite_skips={self.max_consecutive}); stopping, the last "
+                                f"checkpoint holds the last good weights")
+        return True
+
+
 def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tensor, keep: torch.Tensor,
-               anchors: dict[str, torch.Tensor], temperature: float, ewma=None) -> dict[str, float]:
-    """Train on this DP rank's rows `rb` of one mini-batch. `anchors`: old_logp / prox_logp / ref_logp [N, L]."""
+               anchors: dict[str, torch.Tensor], temperature: float, ewma=None,
+               guard: NonFiniteGuard | None = None, update_index: int | None = None) -> dict[str, float]:
+    """Train on this DP rank's rows `rb` of one mini-batch. `anchors`: old_logp / prox_logp / ref_logp [N, L].
+    `guard`: skip the step when anything is non-finite; `update_index` (1-based) names it in logs."""
     reduce = dp_reducer()
     weights = alg.token_weights(rb.loss_mask, rb.group_ids, reduce, keep)
     adv_tok = advantages[:, None].float() * rb.loss_mask
     extras = {"adv": adv_tok, "rollout_logp": rb.rollout_logp, "w": weights.float(), **anchors}
     batch = rb.policy_batch(**extras)
+    inject = _inject_nan(update_index)
 
     def loss_fn(mb, logp, entropy):
         tb = TokenBatch(
@@ -73,6 +146,9 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
             ref_logp=mb.extras.get("ref_logp"), entropy=entropy if alg.needs_entropy else None,
         )
         loss, metrics = alg.loss(tb, reduce)
+        if inject:
+            loss = loss * float("nan")
+            metrics["loss"] = float("nan")
         if entropy is not None and "entropy" not in metrics:
             m = mb.loss_mask
             metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
@@ -90,6 +166,9 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
     scale = _broadcast_from_last_stage([scale])[0]
     if scale != 1.0:
         policy.model.scale_gradients(scale)
+    if guard is not None and guard.should_skip(policy.model, metrics, update_index):
+        metrics.update({"grad_norm": float("nan"), "update_ok": 0.0})
+        return metrics
     metrics.update(policy.optimizer_step())
     reset = 0.0
     if policy.is_last_stage():

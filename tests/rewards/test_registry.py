@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from mcore_rl.rewards import CombinedReward, MathVerifyReward, build_reward
+from mcore_rl.rewards import CombinedReward, CrashRateGuard, MathVerifyReward, build_reward
 
 pytestmark = pytest.mark.rollout
 
@@ -22,7 +22,9 @@ def test_default_math_yaml_builds_math_verify():
     assert cfg.name == "math_verify"
     fn = build_reward(cfg)
     try:
-        assert isinstance(fn, MathVerifyReward) and fn.cfg.timeout_s == cfg.math_verify.timeout_s
+        assert isinstance(fn, CrashRateGuard) and fn.max_crash_rate == cfg.max_crash_rate
+        assert isinstance(fn.inner, MathVerifyReward) and fn.inner.cfg.timeout_s == cfg.math_verify.timeout_s
+        assert fn.inner.pool.options.memory_limit_mb == cfg.math_verify.memory_limit_mb
         res = fn.score(["3 + 4 = 7", "3 + 4 = 8", "\\boxed{\\frac{2}{4}}"], ["7", "7", "\\frac{1}{2}"])
         assert [r.score for r in res] == [1.0, 0.0, 1.0]
     finally:
@@ -34,7 +36,7 @@ def test_math_format_combines_with_weights():
     assert cfg.name == "math_verify+format" and cfg.math_verify.num_workers == 2  # inherited from math.yaml
     fn = build_reward(cfg)
     try:
-        assert isinstance(fn, CombinedReward)
+        assert isinstance(fn, CrashRateGuard) and isinstance(fn.inner, CombinedReward)
         res = fn.score(["so \\boxed{7}", "7 is it, I think", "\\boxed{8}", "no idea"], ["7"] * 4)
         assert [r.score for r in res] == pytest.approx([1.1, 1.0, 0.1, 0.0])
         assert [r.correct for r in res] == [True, True, False, False]
@@ -59,6 +61,7 @@ def test_format_alone_needs_no_workers():
         ({"name": "format", "weights": {"math_verify": 1.0}}, r"unexpected key\(s\) \['math_verify'\]"),
         ({"name": "math_verify", "math_verify": {"timeout_s": 0}}, "timeout_s must be > 0"),
         ({"name": "math_verify", "math_verify": {"mp_context": "fork"}}, "fork is unsafe"),
+        ({"name": "format", "max_crash_rate": 0}, r"reward.max_crash_rate must be in \(0, 1\]; got 0.0"),
     ],
 )
 def test_bad_config_errors_name_the_field(cfg, match):
