@@ -38,8 +38,8 @@ def main() -> None:
                                      vocab_size=8192)).save_pretrained(folder)
     from mcore_rl.distributed import init_distributed
     from mcore_rl.policy.policy import Policy, PolicyConfig
-    from mcore_rl.rollout.local import LocalEngine
-    from mcore_rl.rollout.megatron_sync import sync_weights
+    from mcore_rl.rollout.local.engine import LocalEngine
+    from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 
     init_distributed(1, 1)
     policy = Policy(folder, PolicyConfig(), trainable=False)

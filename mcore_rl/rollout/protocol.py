@@ -148,7 +148,7 @@ class RolloutEngine(Protocol):
 
 
 ENGINE_REGISTRY: dict[str, Callable[..., RolloutEngine]] = {}
-_ENGINE_MODULES = {"local": "mcore_rl.rollout.local", "sglang": "mcore_rl.rollout.sglang"}
+_ENGINE_MODULES = {"local": "mcore_rl.rollout.local.engine", "sglang": "mcore_rl.rollout.sglang.client"}
 
 
 def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:

@@ -17,8 +17,8 @@ from mcore_rl.algorithms import build_algorithm
 from mcore_rl.distributed import init_distributed
 from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
-from mcore_rl.rollout.megatron_sync import sync_weights
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
+from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 from mcore_rl.trainer import prompts as prompt_src
 from mcore_rl.trainer.evaluate import evaluate
 from mcore_rl.trainer.rollout_batch import build_rollout_batch
@@ -309,7 +309,7 @@ class Run:
         return int(ck.name.split("_")[1]) if ck else None
 
     def export_hf(self) -> None:
-        from mcore_rl.rollout.disk_sync import write_hf_folder
+        from mcore_rl.rollout.weight_sync.disk_sync import write_hf_folder
 
         stream = self.policy.hf_tensors(dst=0)
         if self.rank == 0:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mcore_rl.rollout import disk_sync
+from mcore_rl.rollout.weight_sync import disk_sync
 
 pytestmark = pytest.mark.rollout
 

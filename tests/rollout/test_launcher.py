@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from mcore_rl.rollout.launcher import ROUTER_COMMAND, LauncherConfig, ServerLauncher
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
-from mcore_rl.rollout.sglang import SGLangEngine
+from mcore_rl.rollout.sglang.client import SGLangEngine
+from mcore_rl.rollout.sglang.launcher import ROUTER_COMMAND, LauncherConfig, ServerLauncher
 
 pytestmark = pytest.mark.rollout
 

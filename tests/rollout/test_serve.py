@@ -8,8 +8,8 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from mcore_rl.rollout.local import LocalEngine
-from mcore_rl.rollout.server import build_app
+from mcore_rl.rollout.local.engine import LocalEngine
+from mcore_rl.rollout.server.app import build_app
 
 pytestmark = pytest.mark.rollout
 

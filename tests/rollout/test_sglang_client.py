@@ -19,10 +19,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from mcore_rl.rollout.launcher import LauncherConfig, ServerLauncher, free_port
 from mcore_rl.rollout.protocol import GenerationRequest, RolloutEngine, SamplingParams
-from mcore_rl.rollout.sglang import AsyncSGLangClient, SGLangClientConfig, SGLangEngine, SGLangHTTPError
-from mcore_rl.rollout.sglang_api import (
+from mcore_rl.rollout.sglang.api import (
     SAMPLING_FIELDS,
     SGLANG_FIELDS,
     check_payload,
@@ -31,6 +29,13 @@ from mcore_rl.rollout.sglang_api import (
     serialize_named_tensors,
     tensor_update_payload,
 )
+from mcore_rl.rollout.sglang.client import (
+    AsyncSGLangClient,
+    SGLangClientConfig,
+    SGLangEngine,
+    SGLangHTTPError,
+)
+from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher, free_port
 from tests.rollout.conftest import forward_logprobs
 
 pytestmark = pytest.mark.rollout

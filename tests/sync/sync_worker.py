@@ -13,7 +13,7 @@ from mcore_rl.models.spec import BuildConfig
 from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import Policy, PolicyConfig
 from mcore_rl.policy.step import PolicyBatch
-from mcore_rl.rollout.megatron_sync import sync_weights
+from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     ref = policy.logprobs(batch, temperature=0.8)
     engine = None
     if dist.get_rank() == 0:
-        from mcore_rl.rollout.local import LocalEngine
+        from mcore_rl.rollout.local.engine import LocalEngine
 
         engine = LocalEngine(a.hf, seed=0)
     def engine_logp() -> torch.Tensor:

@@ -40,7 +40,7 @@ def sync_weights(
     if mode == "tensor":
         engine.update_weights(counted(), version)
     elif mode == "disk":
-        from mcore_rl.rollout.disk_sync import versioned_dir, write_hf_folder
+        from mcore_rl.rollout.weight_sync.disk_sync import versioned_dir, write_hf_folder
 
         if disk_dir is None:
             raise ValueError("rollout.sync_mode=disk needs rollout.sync_dir")

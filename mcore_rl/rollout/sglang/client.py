@@ -25,9 +25,14 @@ from typing import Any
 import aiohttp
 import torch
 
-from mcore_rl.rollout import sglang_sync
 from mcore_rl.rollout.protocol import GenerationRequest, PauseMode, Sample, expand_requests, register_engine
-from mcore_rl.rollout.sglang_api import check_payload, generate_payload, init_group_payload, parse_sample
+from mcore_rl.rollout.sglang.api import (
+    check_payload,
+    generate_payload,
+    init_group_payload,
+    parse_sample,
+)
+from mcore_rl.rollout.weight_sync import transports as sglang_sync
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +297,7 @@ class SGLangEngine:
             raise ValueError(f"weight_sync={weight_sync!r} not in {sorted(sglang_sync.WEIGHT_SYNC)}")
         self._launcher = None
         if not worker_urls and launcher is not None:
-            from mcore_rl.rollout.launcher import LauncherConfig, ServerLauncher
+            from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
 
             launch = {**launcher, "model_path": launcher.get("model_path") or model_path}
             self._launcher = ServerLauncher(LauncherConfig(**launch)).start()

@@ -16,10 +16,10 @@ from typing import Any
 
 from aiohttp import web
 
-from mcore_rl.rollout.local import LocalEngine
+from mcore_rl.rollout.local.engine import LocalEngine
 from mcore_rl.rollout.protocol import PAUSE_MODES, GenerationRequest, SamplingParams
-from mcore_rl.rollout.server_codec import BadRequest, as_int_version, parse_generate, render_sample
-from mcore_rl.rollout.sglang_api import unknown_fields
+from mcore_rl.rollout.server.codec import BadRequest, as_int_version, parse_generate, render_sample
+from mcore_rl.rollout.sglang.api import unknown_fields
 
 log = logging.getLogger("mcore_rl.serve")
 ENGINE = web.AppKey("engine", LocalEngine)

@@ -14,13 +14,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from mcore_rl.rollout import disk_sync
-from mcore_rl.rollout.sglang_api import (
+from mcore_rl.rollout.sglang.api import (
     bucket_named_tensors,
     distributed_update_payload,
     serialize_named_tensors,
     tensor_update_payload,
 )
+from mcore_rl.rollout.weight_sync import disk_sync
 
 T = TypeVar("T")
 _END = object()
@@ -61,7 +61,7 @@ def sync_tensor(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], versi
 
 def init_group(engine, master_address: str, master_port: int, group_name: str, backend: str) -> Any:
     """The servers' HTTP joins and our own rendezvous must overlap: submit the former, then block on ours."""
-    from mcore_rl.rollout.dist_group import init_weight_update_group
+    from mcore_rl.rollout.weight_sync.dist_group import init_weight_update_group
 
     tp_sizes = [engine.tp_size] * len(engine.cfg.worker_urls)
     fut = engine._lt.submit(
