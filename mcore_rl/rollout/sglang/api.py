@@ -17,78 +17,96 @@ import torch
 
 from mcore_rl.rollout.protocol import GenerationRequest, Sample, SamplingParams, sample_seed
 
-SAMPLING_FIELDS = frozenset(
-    {
-        "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
-        "skip_special_tokens", "no_stop_trim", "n", "min_new_tokens", "frequency_penalty", "presence_penalty",
-        "repetition_penalty", "sampling_seed", "json_schema", "regex",
-    }
-)  # fmt: skip
+# Field -> accepted JSON kinds (null is always accepted: every SGLang field is Optional). The server validates
+# types with this table (a 400 naming the field instead of a 500), the client checks its payloads against the
+# names. Kinds: int (not bool), number, bool, str, dict, list (any), list[int], list[str], list[dict], list[bool],
+# list[list[int]].
+SAMPLING_TYPES: dict[str, tuple[str, ...]] = {
+    "max_new_tokens": ("int",), "temperature": ("number",), "top_p": ("number",), "top_k": ("int",),
+    "min_p": ("number",), "stop": ("str", "list[str]"), "stop_token_ids": ("list[int]",), "ignore_eos": ("bool",),
+    "skip_special_tokens": ("bool",), "no_stop_trim": ("bool",), "n": ("int",), "min_new_tokens": ("int",),
+    "frequency_penalty": ("number",), "presence_penalty": ("number",), "repetition_penalty": ("number",),
+    "sampling_seed": ("int",), "json_schema": ("str",), "regex": ("str",),
+}  # fmt: skip
+_VERSION = ("str", "int")
+SGLANG_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
+    "/generate": {
+        "text": ("str", "list[str]"), "input_ids": ("list[int]", "list[list[int]]"),
+        "sampling_params": ("dict", "list[dict]"), "return_logprob": ("bool", "list[bool]"),
+        "logprob_start_len": ("int", "list[int]"), "top_logprobs_num": ("int", "list[int]"),
+        "return_text_in_logprobs": ("bool",), "stream": ("bool",), "rid": ("str", "list[str]"),
+        "lora_path": ("str", "list[str]"),
+    },
+    "/update_weights_from_disk": {
+        "model_path": ("str",), "load_format": ("str",), "abort_all_requests": ("bool",),
+        "weight_version": _VERSION, "flush_cache": ("bool",),
+    },
+    "/update_weights_from_tensor": {
+        "serialized_named_tensors": ("list",), "load_format": ("str",), "flush_cache": ("bool",),
+        "abort_all_requests": ("bool",), "weight_version": _VERSION,
+    },
+    "/init_weights_update_group": {
+        "master_address": ("str",), "master_port": ("int",), "rank_offset": ("int",), "world_size": ("int",),
+        "group_name": ("str",), "backend": ("str",),
+    },
+    "/update_weights_from_distributed": {
+        "names": ("list[str]",), "dtypes": ("list[str]",), "shapes": ("list[list[int]]",), "group_name": ("str",),
+        "flush_cache": ("bool",), "abort_all_requests": ("bool",), "weight_version": _VERSION,
+        "load_format": ("str",),
+    },
+    "/destroy_weights_update_group": {"group_name": ("str",)},
+    "/update_weight_version": {"new_version": _VERSION, "abort_all_requests": ("bool",)},
+    "/get_weights_by_name": {"name": ("str",), "truncate_size": ("int",)},
+    "/abort_request": {"rid": ("str",), "abort_all": ("bool",)},
+    "/pause_generation": {"mode": ("str",)},
+    "/continue_generation": {},
+    "/flush_cache": {},
+    "/release_memory_occupation": {"tags": ("list[str]",)},
+    "/resume_memory_occupation": {"tags": ("list[str]",)},
+}  # fmt: skip
+SAMPLING_FIELDS = frozenset(SAMPLING_TYPES)
+SGLANG_FIELDS: dict[str, frozenset[str]] = {ep: frozenset(fields) for ep, fields in SGLANG_TYPES.items()}
 
-SGLANG_FIELDS: dict[str, frozenset[str]] = {
-    "/generate": frozenset(
-        {
-            "text",
-            "input_ids",
-            "sampling_params",
-            "return_logprob",
-            "logprob_start_len",
-            "top_logprobs_num",
-            "return_text_in_logprobs",
-            "stream",
-            "rid",
-            "lora_path",
-        }
-    ),  # fmt: skip
-    "/update_weights_from_disk": frozenset(
-        {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache"}
-    ),
-    "/update_weights_from_tensor": frozenset(
-        {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version"}
-    ),
-    "/init_weights_update_group": frozenset(
-        {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
-    ),
-    "/update_weights_from_distributed": frozenset(
-        {
-            "names",
-            "dtypes",
-            "shapes",
-            "group_name",
-            "flush_cache",
-            "abort_all_requests",
-            "weight_version",
-            "load_format",
-        }
-    ),  # fmt: skip
-    "/destroy_weights_update_group": frozenset({"group_name"}),
-    "/update_weight_version": frozenset({"new_version", "abort_all_requests"}),
-    "/get_weights_by_name": frozenset({"name", "truncate_size"}),
-    "/abort_request": frozenset({"rid", "abort_all"}),
-    "/pause_generation": frozenset({"mode"}),
-    "/continue_generation": frozenset(),
-    "/flush_cache": frozenset(),
-    "/release_memory_occupation": frozenset({"tags"}),
-    "/resume_memory_occupation": frozenset({"tags"}),
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KIND: dict[str, Any] = {
+    "int": _is_int,
+    "number": lambda v: _is_int(v) or isinstance(v, float),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "dict": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
 }
+for _k in ("int", "str", "dict", "bool"):
+    _KIND[f"list[{_k}]"] = lambda v, f=_KIND[_k]: isinstance(v, list) and all(map(f, v))
+_KIND["list[list[int]]"] = lambda v: isinstance(v, list) and all(map(_KIND["list[int]"], v))
 
 
-def unknown_fields(endpoint: str, payload: dict[str, Any]) -> list[str]:
-    """Field names in `payload` that SGLang does not define for `endpoint` (dotted for sampling_params)."""
-    if endpoint not in SGLANG_FIELDS:
-        raise KeyError(f"endpoint {endpoint} is not in the SGLang field table")
-    bad = sorted(set(payload) - SGLANG_FIELDS[endpoint])
+def type_error(endpoint: str, payload: dict[str, Any]) -> str | None:
+    """The first field of `payload` whose JSON type SGLang would refuse, as one line; None when all fit.
+
+    Unknown top-level fields are not errors (SGLang ignores them; sglang-router adds some); unknown
+    sampling_params keys are (SGLang answers 400).
+    """
+    table = SGLANG_TYPES[endpoint]
+    for name, value in payload.items():
+        kinds = table.get(name)
+        if kinds is not None and value is not None and not any(_KIND[k](value) for k in kinds):
+            return f"{endpoint}: field {name!r} must be {' or '.join(kinds)}, got {type(value).__name__}"
     if endpoint == "/generate":
         sps = payload.get("sampling_params") or {}
-        for sp in sps if isinstance(sps, list) else [sps]:
-            bad += sorted(f"sampling_params.{k}" for k in set(sp) - SAMPLING_FIELDS)
-    return bad
-
-
-def check_payload(endpoint: str, payload: dict[str, Any]) -> None:
-    bad = unknown_fields(endpoint, payload)
-    if bad:
-        raise ValueError(f"{endpoint}: field(s) {bad} are not defined by SGLang")
+        for i, sp in enumerate(sps if isinstance(sps, list) else [sps]):
+            where = f"sampling_params[{i}]" if isinstance(sps, list) else "sampling_params"
+            for key, value in sp.items():
+                if key not in SAMPLING_TYPES:
+                    return f"{endpoint}: unknown key {where}.{key!r} (SGLang rejects it)"
+                kinds = SAMPLING_TYPES[key]
+                if value is not None and not any(_KIND[k](value) for k in kinds):
+                    return f"{endpoint}: field {where}.{key} must be {' or '.join(kinds)}, got {type(value).__name__}"
+    return None
 
 
 # ---------------------------------------------------------------- /generate
