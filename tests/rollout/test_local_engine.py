@@ -246,7 +246,10 @@ def engine_kwargs_from_yaml(name: str, **overrides) -> tuple[str, dict]:
     )
     rc = OmegaConf.to_container(cfg.rollout, resolve=True)
     engine = rc.pop("engine")
-    rc.pop("sync_mode"), rc.pop("sync_dir")
+    from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS
+
+    for key in TRAINER_KEYS:
+        rc.pop(key, None)
     return engine, rc
 
 

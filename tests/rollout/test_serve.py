@@ -104,7 +104,7 @@ def test_abort_flush_version_and_event_loop_stays_free(tiny_engine):
 
 def test_unsupported_and_invalid_requests_are_400_naming_the_field(tiny_engine):
     cases = [
-        ({"input_ids": [1], "sampling_params": {"foo": 1}}, "sampling_params.'foo'"),
+        ({"input_ids": [1], "sampling_params": {"foo": 1}}, "unknown key sampling_params.foo"),
         ({"input_ids": [1], "sampling_params": {"n": 2.5}}, "sampling_params.n must be int"),
         ({"input_ids": [1], "sampling_params": 5}, "'sampling_params' must be dict or list[dict]"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": 10**9}}, "exceeds the context length 512"),

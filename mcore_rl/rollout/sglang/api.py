@@ -1,14 +1,16 @@
 """SGLang's HTTP contract in one place: the allowed field names per endpoint, payload builders, response parsing.
 
 Why a table: SGLang rejects (or worse, silently ignores) unknown fields, and its names drift between releases.
-Every payload the client builds is checked against this table before it is sent, `mcore-rl-serve` rejects
-anything outside it with HTTP 400, and a test asserts both. Names come from sglang 0.5.x `io_struct.py` /
+Every payload the client builds is checked against this table before it is sent; `mcore-rl-serve` validates
+types with it and, like SGLang, ignores unknown top-level fields (sglang-router adds some) but answers 400 to
+unknown `sampling_params` keys. Tests assert both sides. Names come from sglang 0.5.x `io_struct.py` /
 `sampling_params.py` (see docs/SGLANG_API.md).
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -102,16 +104,38 @@ def type_error(endpoint: str, payload: dict[str, Any]) -> str | None:
             where = f"sampling_params[{i}]" if isinstance(sps, list) else "sampling_params"
             for key, value in sp.items():
                 if key not in SAMPLING_TYPES:
-                    return f"{endpoint}: unknown key {where}.{key!r} (SGLang rejects it)"
+                    return f"{endpoint}: unknown key {where}.{key} (SGLang rejects it)"
                 kinds = SAMPLING_TYPES[key]
                 if value is not None and not any(_KIND[k](value) for k in kinds):
                     return f"{endpoint}: field {where}.{key} must be {' or '.join(kinds)}, got {type(value).__name__}"
     return None
 
 
+def unknown_fields(endpoint: str, payload: dict[str, Any]) -> list[str]:
+    """Field names in `payload` that SGLang does not define for `endpoint` (dotted for sampling_params)."""
+    if endpoint not in SGLANG_FIELDS:
+        raise KeyError(f"endpoint {endpoint} is not in the SGLang field table")
+    bad = sorted(set(payload) - SGLANG_FIELDS[endpoint])
+    if endpoint == "/generate":
+        sps = payload.get("sampling_params") or {}
+        for sp in sps if isinstance(sps, list) else [sps]:
+            bad += sorted(f"sampling_params.{k}" for k in set(sp) - SAMPLING_FIELDS)
+    return bad
+
+
+def check_payload(endpoint: str, payload: dict[str, Any]) -> None:
+    """The client's guard: every payload it builds stays a subset of SGLang's fields."""
+    bad = unknown_fields(endpoint, payload)
+    if bad:
+        raise ValueError(f"{endpoint}: field(s) {bad} are not defined by SGLang")
+
+
 # ---------------------------------------------------------------- /generate
-def sampling_payload(sp: SamplingParams, sample_index: int = 0) -> dict[str, Any]:
-    """One sample's sampling_params (n is expanded client-side: SGLang re-assigns rids for n > 1)."""
+def sampling_payload(sp: SamplingParams, sample_index: int = 0, seeded: bool = True) -> dict[str, Any]:
+    """One sample's sampling_params (n is expanded client-side: SGLang re-assigns rids for n > 1).
+
+    seeded: send `sampling_seed` (SGLang honours it only with --enable-deterministic-inference).
+    """
     out: dict[str, Any] = {
         "max_new_tokens": sp.max_new_tokens,
         "temperature": sp.temperature,
@@ -125,17 +149,31 @@ def sampling_payload(sp: SamplingParams, sample_index: int = 0) -> dict[str, Any
     if sp.ignore_eos:
         out["ignore_eos"] = True
     seed = sample_seed(sp.seed, sample_index)
-    if seed is not None:
+    if seed is not None and seeded:
         out["sampling_seed"] = seed
     return out
 
 
-def generate_payload(items: list[tuple[GenerationRequest, int, str]]) -> dict[str, Any]:
-    """A batch /generate body for (request, sample_index, rid) items; always list-of-lists so replies are lists."""
+def generate_payload(items: list[tuple[GenerationRequest, int, str]], seeded: bool = True) -> dict[str, Any]:
+    """A batch /generate body for (request, sample_index, rid) items; always list-of-lists so replies are lists.
+
+    For worker URLs only: sglang-router's request type takes one prompt per request (a list -> 422).
+    """
     return {
         "input_ids": [req.prompt_ids for req, _, _ in items],
-        "sampling_params": [sampling_payload(req.sampling, j) for req, j, _ in items],
+        "sampling_params": [sampling_payload(req.sampling, j, seeded) for req, j, _ in items],
         "rid": [rid for _, _, rid in items],
+        "return_logprob": True,
+    }
+
+
+def single_generate_payload(item: tuple[GenerationRequest, int, str], seeded: bool = True) -> dict[str, Any]:
+    """One sample's /generate body (what sglang-router accepts): scalar rid, one sampling_params object."""
+    req, j, rid = item
+    return {
+        "input_ids": req.prompt_ids,
+        "sampling_params": sampling_payload(req.sampling, j, seeded),
+        "rid": rid,
         "return_logprob": True,
     }
 
@@ -211,6 +249,33 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
     buf = io.BytesIO()
     ForkingPickler(buf).dump(named_tensors)
     return base64.b64encode(buf.getvalue()).decode("utf-8")
+
+
+def patch_torch_reductions() -> bool:
+    """Apply SGLang's torch-reductions patch when sglang is importable (CUDA IPC handles then name the device by
+    GPU UUID, so a server process with another CUDA_VISIBLE_DEVICES order maps them right). True if applied."""
+    for mod in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
+        try:
+            patch = importlib.import_module(mod).monkey_patch_torch_reductions
+        except (ImportError, AttributeError):
+            continue
+        patch()
+        return True
+    return False
+
+
+def serialize_per_rank(
+    bucket: list[tuple[str, torch.Tensor]], devices: list[torch.device]
+) -> tuple[list[str], list[list[tuple[str, torch.Tensor]]]]:
+    """One payload per engine TP rank, each made from a copy on that rank's own device.
+
+    Why per rank: engine TP rank i opens the IPC handles on its own GPU; a handle made on another device would
+    make every rank read from GPU 0. Colocated only: the handles are valid on this node and only while the
+    copies live, so they are returned too; the caller holds them until the server has answered.
+    """
+    patch_torch_reductions()
+    copies = [[(name, t.detach().to(dev)) for name, t in bucket] for dev in devices]
+    return [serialize_named_tensors(c) for c in copies], copies
 
 
 def tensor_update_payload(

@@ -1,107 +1,79 @@
-"""How `SGLangEngine.update_weights` ships full HF tensors to the servers: a registry of strategies.
+"""Weight-sync transports: how full HF-named tensors from the trainer reach an engine. One registry, keyed by
+`rollout.sync_mode`; every transport is `send(engine, named_tensors, version, options)`.
 
-disk   -- a versioned safetensors folder every server can read, then /update_weights_from_disk (any setup).
-tensor -- colocated: CUDA IPC handles per bucket via /update_weights_from_tensor (same node, same GPUs).
-nccl   -- disaggregated: /update_weights_from_distributed announces a bucket while rank 0 broadcasts it.
-Tensors stream through bucket by bucket (one bucket of lookahead to tag the last one with the version), so
-the trainer never materialises the whole model.
+disk   -- a versioned safetensors folder (atomic) every server can read, then update_weights_from_disk on the
+          engine; old `v<N>` folders are pruned to `keep_versions` after each successful update and stale temp
+          folders from a crashed writer are removed first. Works for any engine and any topology, and is the
+          one a restarted SGLang server can be re-synced from (the engine replays the newest folder).
+tensor -- engine.update_weights: an in-place copy for the local engine; CUDA IPC for colocated SGLang.
+nccl   -- engine.update_weights_from_distributed: a broadcast group between trainer rank 0 and the servers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from mcore_rl.rollout.sglang.api import (
-    bucket_named_tensors,
-    distributed_update_payload,
-    serialize_named_tensors,
-    tensor_update_payload,
-)
 from mcore_rl.rollout.weight_sync import disk_sync
 
-T = TypeVar("T")
-_END = object()
+
+@dataclass
+class SyncOptions:
+    sync_dir: str | Path | None = None  # disk: root of the v<N> folders (shared by trainer and servers)
+    config_dir: str | Path | None = None  # disk: config/tokenizer files copied next to the weights
+    keep_versions: int = 2  # disk: newest folders kept (>= 1: a restarted server is re-synced from the newest)
+    bucket_mb: float = 512.0
+
+    def __post_init__(self) -> None:
+        if self.keep_versions < 1:
+            raise ValueError(f"rollout.keep_versions={self.keep_versions} must be >= 1")
 
 
-def with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
-    """(item, is_last) with one item of lookahead."""
-    it = iter(items)
-    cur = next(it, _END)
-    while cur is not _END:
-        nxt = next(it, _END)
-        yield cur, nxt is _END
-        cur = nxt
+# rollout.* keys the trainer reads for weight sync; the engine gets every other key of the rollout config
+TRAINER_KEYS = ("sync_mode", "sync_dir", "keep_versions")
+Transport = Callable[[object, Iterable[tuple[str, torch.Tensor]], int, SyncOptions], None]
+TRANSPORTS: dict[str, Transport] = {}
 
 
-def sync_disk(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-    """Write weight_dir/v<version> atomically, load it on every server, prune old versions."""
-    if not engine.weight_dir:
-        raise ValueError("weight_sync='disk' needs weight_dir (a folder every server can read)")
-    path = disk_sync.write_hf_folder(
-        named_tensors, disk_sync.versioned_dir(engine.weight_dir, version), config_dir=engine.model_path,
-        bucket_mb=engine.bucket_bytes / 2**20, overwrite=True,
-    )  # fmt: skip
-    engine.update_weights_from_disk(str(path), version)
-    disk_sync.prune_versions(engine.weight_dir, engine.keep_versions)
+def register_transport(name: str) -> Callable[[Transport], Transport]:
+    def deco(fn: Transport) -> Transport:
+        TRANSPORTS[name] = fn
+        return fn
+
+    return deco
 
 
-def sync_tensor(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-    """Colocated: one serialized bucket per engine TP rank; the last bucket carries version and flush."""
-    for bucket, last in with_last(bucket_named_tensors(named_tensors, engine.bucket_bytes)):
-        payload = tensor_update_payload(
-            [serialize_named_tensors(bucket)] * engine.tp_size, version if last else None, flush_cache=last
-        )
-        for url in engine.cfg.worker_urls:
-            engine._lt.run(engine.client.update_weights_from_tensor(url, payload))
-    engine.client.weight_version = int(version)
-
-
-def init_group(engine, master_address: str, master_port: int, group_name: str, backend: str) -> Any:
-    """The servers' HTTP joins and our own rendezvous must overlap: submit the former, then block on ours."""
-    from mcore_rl.rollout.weight_sync.dist_group import init_weight_update_group
-
-    tp_sizes = [engine.tp_size] * len(engine.cfg.worker_urls)
-    fut = engine._lt.submit(
-        engine.client.init_weights_update_group(master_address, master_port, tp_sizes, group_name, backend)
-    )
-    group = init_weight_update_group(master_address, master_port, 0, 1 + sum(tp_sizes), group_name, backend)
-    fut.result()
-    engine.groups[group_name] = group
-    return group
-
-
-def broadcast_update(
-    engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, group_name: str | None = None
+def send_weights(
+    mode: str, engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, options: SyncOptions
 ) -> None:
-    """Per bucket: POST the names/dtypes/shapes to every server, broadcast the tensors, await the replies."""
-    import torch.distributed as dist
-
-    group_name = group_name or next(iter(engine.groups), None)
-    if group_name not in engine.groups:
-        raise RuntimeError(f"no weight-update group {group_name!r}: call init_weights_update_group() first")
-    group = engine.groups[group_name]
-    for bucket, last in with_last(bucket_named_tensors(named_tensors, engine.bucket_bytes)):
-        payload = distributed_update_payload(bucket, group_name, version if last else None, flush_cache=last)
-        fut = engine._lt.submit(engine.client.update_weights_from_distributed(payload))
-        for _, t in bucket:
-            dist.broadcast(t.contiguous(), src=0, group=group)
-        fut.result()
-    engine.client.weight_version = int(version)
+    if mode not in TRANSPORTS:
+        raise ValueError(f"rollout.sync_mode={mode!r}: expected one of {sorted(TRANSPORTS)}")
+    TRANSPORTS[mode](engine, named_tensors, version, options)
 
 
-def sync_nccl(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-    """Create the group on first use from engine.nccl = {master_address, master_port[, backend, group_name]}."""
-    if not engine.groups:
-        if not engine.nccl.get("master_address") or not engine.nccl.get("master_port"):
-            raise ValueError("weight_sync='nccl' needs nccl.master_address and nccl.master_port")
-        init_group(
-            engine, engine.nccl["master_address"], engine.nccl["master_port"],
-            engine.nccl.get("group_name", "weight_update_group"), engine.nccl.get("backend", "nccl"),
-        )  # fmt: skip
-    broadcast_update(engine, named_tensors, version)
+@register_transport("disk")
+def send_disk(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, opt: SyncOptions) -> None:
+    if opt.sync_dir is None:
+        raise ValueError("rollout.sync_mode=disk needs rollout.sync_dir (a folder every server can read)")
+    disk_sync.remove_stale_temp(opt.sync_dir)
+    out = disk_sync.write_hf_folder(
+        named_tensors, disk_sync.versioned_dir(opt.sync_dir, version), config_dir=opt.config_dir,
+        bucket_mb=opt.bucket_mb, overwrite=True,
+    )  # fmt: skip
+    engine.update_weights_from_disk(str(out), version)
+    disk_sync.prune_versions(opt.sync_dir, opt.keep_versions)
 
 
-WEIGHT_SYNC: dict[str, Callable[..., None]] = {"disk": sync_disk, "tensor": sync_tensor, "nccl": sync_nccl}
+@register_transport("tensor")
+def send_tensor(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, opt: SyncOptions) -> None:
+    engine.update_weights(named_tensors, version)
+
+
+@register_transport("nccl")
+def send_nccl(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, opt: SyncOptions) -> None:
+    if not hasattr(engine, "update_weights_from_distributed"):
+        raise ValueError(f"rollout.sync_mode=nccl needs an engine with a broadcast group; {type(engine).__name__} has none")
+    engine.update_weights_from_distributed(named_tensors, version)
