@@ -26,9 +26,12 @@ def as_int_version(value: Any, name: str) -> int | None:
     if value is None:
         return None
     try:
-        return int(value)
+        version = int(value)
     except (TypeError, ValueError):
         raise BadRequest(f"{name}={value!r}: mcore-rl-serve tags tokens with integer versions") from None
+    if not 0 <= version < 2**63:
+        raise BadRequest(f"{name}={value!r}: must be in [0, 2**63)")
+    return version
 
 
 def _per_item(value: Any, n: int, name: str, default: Any) -> list[Any]:
