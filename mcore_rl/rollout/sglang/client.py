@@ -150,9 +150,12 @@ class AsyncSGLangClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def post_all(self, endpoint: str, payload: dict, timeout: float | None = None) -> list[Any]:
-        """POST the same body to every worker concurrently; raise the first failure that is not tolerated."""
+    async def post_all(self, endpoint: str, payload: dict, timeout: float | None = None) -> dict[str, Any]:
+        """POST the same body to every worker concurrently; raise the first failure that is not tolerated.
+        Returns {url: reply} of the workers that answered."""
         urls = self.cfg.worker_urls
+        if self.tolerate is not None:  # known dead or coming back: it gets the current weights when it is up
+            urls = [u for u in urls if not self.tolerate(u)]
         results = await asyncio.gather(
             *(self.request("POST", u, endpoint, payload, timeout) for u in urls), return_exceptions=True
         )
@@ -162,7 +165,7 @@ class AsyncSGLangClient:
                     log.warning("%s%s skipped: worker is restarting (%s)", url, endpoint, res)
                     continue
                 raise res
-        return [None if isinstance(r, BaseException) else r for r in results]
+        return {u: r for u, r in zip(urls, results) if not isinstance(r, BaseException)}
 
     # ------------------------------------------------------------------ generation
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
@@ -178,7 +181,7 @@ class AsyncSGLangClient:
         todo = list(range(len(items)))
         try:
             for attempt in range(self.cfg.stale_retries + 1):
-                samples = await self._generate_items([items[i] for i in todo])
+                samples = await self._generate_items([items[i] for i in todo], floor)
                 stale = []
                 for i, s in zip(todo, samples):
                     if s.weight_versions and min(s.weight_versions) < floor:
@@ -203,11 +206,12 @@ class AsyncSGLangClient:
                         del self._inflight[req.rid]
         return out  # type: ignore[return-value]
 
-    async def _generate_items(self, items: list[Item]) -> list[Sample]:
+    async def _generate_items(self, items: list[Item], floor: int) -> list[Sample]:
         if self.cfg.router_url:
             return list(await asyncio.gather(*(self._generate_one(it) for it in items)))
         chunks = [items[i : i + self.cfg.batch_size] for i in range(0, len(items), self.cfg.batch_size)]
-        return list(itertools.chain.from_iterable(await asyncio.gather(*(self._generate_chunk(c) for c in chunks))))
+        done = await asyncio.gather(*(self._generate_chunk(c, floor) for c in chunks))
+        return list(itertools.chain.from_iterable(done))
 
     async def _generate_one(self, item: Item) -> Sample:
         payload = single_generate_payload(item, self.cfg.seeded)
@@ -221,7 +225,7 @@ class AsyncSGLangClient:
         up = [u for u in self.cfg.worker_urls if self._down_until[u] <= now] or self.cfg.worker_urls
         return min(up, key=self._load.get)
 
-    async def _generate_chunk(self, items: list[Item]) -> list[Sample]:
+    async def _generate_chunk(self, items: list[Item], floor: int) -> list[Sample]:
         picked: list[str] = []
 
         def pick() -> str:  # least loaded live worker, again on every retry
@@ -242,7 +246,10 @@ class AsyncSGLangClient:
             raise ValueError(
                 f"/generate at {picked[-1]}: expected a list of {len(items)} results, got {str(out)[:200]}"
             )
-        return [parse_sample(o, req, j, self.weight_version) for o, (req, j, _) in zip(out, items)]
+        samples = [parse_sample(o, req, j, self.weight_version) for o, (req, j, _) in zip(out, items)]
+        if any(s.weight_versions and min(s.weight_versions) < floor for s in samples):
+            self._down_until[picked[-1]] = time.monotonic() + 5.0  # stale weights there: try the others first
+        return samples
 
     async def abort(self, rid: str | None = None) -> None:
         if rid is None:
@@ -282,11 +289,11 @@ class AsyncSGLangClient:
         payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
         if urls is None:
             results = await self.post_all("/update_weights_from_disk", payload)
-            urls = self.cfg.worker_urls
         else:
-            results = await asyncio.gather(*(self.request("POST", u, "/update_weights_from_disk", payload)
+            replies = await asyncio.gather(*(self.request("POST", u, "/update_weights_from_disk", payload)
                                              for u in urls))  # fmt: skip
-        for url, res in zip(urls, results):
+            results = dict(zip(urls, replies))
+        for url, res in results.items():
             if isinstance(res, dict) and res.get("success") is False:
                 raise RuntimeError(f"{url}/update_weights_from_disk failed: {res.get('message')}")
         self.weight_version = int(version)

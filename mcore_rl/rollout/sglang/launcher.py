@@ -203,7 +203,7 @@ class ServerLauncher:
                 f"server{i}",
                 self._fmt(cfg.command, **values)
                 + [flag for key, flags in FLAGS.items() if getattr(cfg, key) for flag in flags]
-                + list(cfg.extra_args),
+                + [str(a) for a in cfg.extra_args],
                 f"http://{cfg.host}:{port}", env, Path(cfg.log_dir) / f"server{i}.log",
             )  # fmt: skip
             self.servers.append(proc)
