@@ -82,6 +82,10 @@ def test_sigkill_worker_mid_round_restart_resync_and_finish(tmp_path):
 
         versions = wait_for(resynced, 120, "the restarted worker's weights", proc)
         assert model_version(victim["url"], "wrong-key") is None  # 401 without the right key
+        req = urllib.request.Request(victim["url"] + "/server_info", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            info = json.loads(resp.read())
+        assert info["enable_deterministic_inference"] is True  # rollout.deterministic -> the launcher's flag
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

@@ -160,6 +160,7 @@ def test_train_tiny_through_router(engine, routed, tmp_path):
     proc: subprocess.CompletedProcess = run(train_cmd(
         "rollout=sglang", f"rollout.worker_urls=[{urls}]", f"rollout.router_url='{routed.router_url}'",
         "trainer.steps=3", f"run.dir={tmp_path}", "trainer.export_hf=false", "logging.plot=false",
+        "rollout.stale_retries=4", "rollout.keep_versions=2",
     ))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = records(tmp_path)

@@ -181,8 +181,12 @@ def test_pause_abort_then_continue(client, served):
 
 def test_every_payload_uses_only_sglang_fields(client, served):
     client.flush_cache()
+    start = len(RECORDED)
     client.release_memory()
     client.resume_memory()
+    order = [e for e, _ in RECORDED[start:]]  # SGLang releases only from a paused (idle) server
+    assert order == ["/pause_generation"] * 2 + ["/release_memory_occupation"] * 2 + [
+        "/resume_memory_occupation"] * 2 + ["/continue_generation"] * 2  # fmt: skip
     client.abort(None)
     client.update_weight_version(client.weight_version)
     built = [
