@@ -129,7 +129,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         engine.abort(None)
     try:
         await _in_thread(
-            engine.update_weights_from_disk, body["model_path"], version or engine.weight_version
+            engine.update_weights_from_disk, body["model_path"], engine.weight_version if version is None else version
         )
     except (OSError, KeyError, ValueError, RuntimeError) as exc:
         msg = f"Failed to update weights: {exc}"
