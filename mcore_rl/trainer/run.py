@@ -194,8 +194,8 @@ class Run:
         }
         if self.rank == 0:
             metrics.update(self.data.metrics())
-            if hasattr(self.engine, "stats"):  # SGLang: HTTP retries, stale samples dropped, server restarts
-                metrics.update(self.engine.stats())
+            if hasattr(self.engine, "fault_metrics"):  # SGLang: HTTP retries, stale samples dropped, restarts
+                metrics.update(self.engine.fault_metrics())
         return rb, metrics
 
     def anchors(self, rb) -> dict[str, torch.Tensor]:

@@ -132,12 +132,12 @@ def test_direct_workers_retry_elsewhere_and_drop_stale_samples(tiny_dir, tiny_al
         reqs = [GenerationRequest([3, 4, i], SamplingParams(max_new_tokens=3, ignore_eos=True)) for i in range(6)]
         out = eng.generate(reqs)
         assert all(s.weight_versions == [3] * 3 for s in out)
-        dropped = eng.stats()["rollout_stale_dropped"]
+        dropped = eng.fault_metrics()["rollout_stale_dropped"]
         assert dropped >= 1  # least-loaded dispatch sent some to worker 1; they came back v1 and were redone
         eng.client._down_until = dict.fromkeys(eng.cfg.worker_urls, 0.0)  # forget worker 1's stale episode
         os.kill(eng._launcher.servers[1].popen.pid, signal.SIGKILL)
         eng._launcher.servers[1].popen.wait()
         out = eng.generate(reqs)
         assert len(out) == 6 and all(s.weight_versions == [3] * 3 for s in out)
-        assert eng.stats()["rollout_http_retries"] >= 1  # the dead worker's share went to worker 0
+        assert eng.fault_metrics()["rollout_http_retries"] >= 1  # the dead worker's share went to worker 0
     print(f"direct workers: {dropped:.0f} stale samples dropped and redone", file=sys.stderr)

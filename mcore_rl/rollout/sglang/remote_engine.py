@@ -151,7 +151,7 @@ class SGLangEngine:
         if msg:
             raise EngineFailure(msg)
 
-    def stats(self) -> dict[str, float]:
+    def fault_metrics(self) -> dict[str, float]:
         """Cumulative counters for the trainer's metrics."""
         return {
             "rollout_http_retries": float(self.client.stats["http_retries"]),
