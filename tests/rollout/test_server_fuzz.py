@@ -1,4 +1,4 @@
-"""`mcore-rl-serve` under hostile input (hypothesis): every endpoint, random JSON types and shapes, huge n,
+"""`mcore-rl-serve` under hostile input (hypothesis; FUZZ_EXAMPLES=N per endpoint, default 12, for a heavier run): every endpoint, random JSON types and shapes, huge n,
 oversized and deeply nested bodies, missing credentials. Only 200/400/401/413/429 may come back, /health stays
 200 and the server's RSS stays bounded. A real server subprocess (its own RSS, its real limits and auth)."""
 
@@ -104,7 +104,7 @@ def bodies(draw, endpoint: str):
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS + GET_ONLY)
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "20")), deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "12")), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
 @given(data=st.data())
 def test_fuzz_every_endpoint(server, endpoint, data):
