@@ -77,9 +77,10 @@ sampling = st.dictionaries(
 @st.composite
 def bodies(draw, endpoint: str):
     """Mostly the endpoint's real field names with values of random type; sometimes anything at all."""
-    if draw(st.integers(0, 9)) == 0:
+    if draw(st.integers(0, 9)) == 7:
         return draw(json_values)
-    if endpoint == "/generate" and draw(st.booleans()):  # a valid request, then maybe one field spoiled
+    # hypothesis favours small draws (False, 0): the common cases get the large values below
+    if endpoint == "/generate" and not draw(st.booleans()):  # a valid request, then maybe one field spoiled
         body = {
             "input_ids": draw(st.lists(st.integers(0, 255), min_size=1, max_size=6)),
             "sampling_params": {"max_new_tokens": draw(st.integers(1, 8)), "n": draw(st.integers(1, 3)),
@@ -113,8 +114,9 @@ def test_fuzz_every_endpoint(server, endpoint, data):
         status = call(base + endpoint, "GET", None, auth=data.draw(st.booleans()))
     else:
         body = data.draw(bodies(endpoint))
-        raw = json.dumps(body).encode() if data.draw(st.integers(0, 19)) else data.draw(st.binary(max_size=50))
-        status = call(base + endpoint, "POST", raw, auth=data.draw(st.integers(0, 9)) > 0)
+        garbage = data.draw(st.integers(0, 9)) == 7
+        raw = data.draw(st.binary(max_size=50)) if garbage else json.dumps(body).encode()
+        status = call(base + endpoint, "POST", raw, auth=data.draw(st.integers(0, 9)) != 7)
     assert status in ALLOWED, (endpoint, status)
     SEEN[endpoint, status] += 1
     reset(base)
