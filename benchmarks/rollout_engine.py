@@ -89,7 +89,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from mcore_rl.rollout.local import LocalEngine
+    from mcore_rl.rollout.local.engine import LocalEngine
 
     path = args.model_path
     if path is None:

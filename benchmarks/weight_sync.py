@@ -38,8 +38,9 @@ def main() -> None:
                                      vocab_size=8192)).save_pretrained(folder)
     from mcore_rl.distributed import init_distributed
     from mcore_rl.policy.policy import Policy, PolicyConfig
-    from mcore_rl.rollout.local import LocalEngine
-    from mcore_rl.rollout.megatron_sync import sync_weights
+    from mcore_rl.rollout.local.engine import LocalEngine
+    from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
+    from mcore_rl.rollout.weight_sync.transports import SyncOptions
 
     init_distributed(1, 1)
     policy = Policy(folder, PolicyConfig(), trainable=False)
@@ -48,7 +49,8 @@ def main() -> None:
     sync_dir = tempfile.mkdtemp()
     sync_t, gb = [], 0.0
     for v in range(a.repeats):
-        st = sync_weights(policy, engine, version=v + 1, mode=a.mode, disk_dir=sync_dir, config_dir=folder)
+        st = sync_weights(policy, engine, version=v + 1, mode=a.mode,
+                          options=SyncOptions(sync_dir=sync_dir, config_dir=folder))
         sync_t.append(st["sync_s"])
         gb = st["sync_gb"]
     tensors = [t.clone() for _, t in policy.hf_tensors()]

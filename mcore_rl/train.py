@@ -28,6 +28,7 @@ def run_training(cfg: DictConfig) -> dict:
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     from mcore_rl.agreement import FatalRunError
+    from mcore_rl.rollout.protocol import EngineFailure
     from mcore_rl.trainer.setup import ConfigError
 
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s %(name)s] %(message)s")
@@ -39,6 +40,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     except FatalRunError as e:  # a fault the run cannot survive: one line, non-zero exit, no traceback
         print(f"run stopped: {e}", file=sys.stderr)
         sys.exit(1)
+    except EngineFailure as e:
+        print(f"rollout engine failed: {e}", file=sys.stderr)
+        sys.exit(3)
     finally:
         from mcore_rl.distributed import destroy_distributed
 

@@ -148,7 +148,11 @@ class RolloutEngine(Protocol):
 
 
 ENGINE_REGISTRY: dict[str, Callable[..., RolloutEngine]] = {}
-_ENGINE_MODULES = {"local": "mcore_rl.rollout.local", "sglang": "mcore_rl.rollout.sglang"}
+_ENGINE_MODULES = {"local": "mcore_rl.rollout.local.engine", "sglang": "mcore_rl.rollout.sglang.remote_engine"}
+
+
+class EngineFailure(RuntimeError):
+    """The engine cannot go on (e.g. a server that keeps dying); the run stops with this one line."""
 
 
 def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:

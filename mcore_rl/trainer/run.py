@@ -19,8 +19,9 @@ from mcore_rl.distributed import init_distributed
 from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
 from mcore_rl.rewards.base import failure_counts
-from mcore_rl.rollout.megatron_sync import sync_weights
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
+from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
+from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS, SyncOptions
 from mcore_rl.trainer import prompts as prompt_src
 from mcore_rl.trainer.evaluate import evaluate
 from mcore_rl.trainer.rollout_batch import build_rollout_batch
@@ -87,7 +88,10 @@ class Run:
 
             rc = OmegaConf.to_container(cfg.rollout, resolve=True)
             name = rc.pop("engine", "local")
-            rc.pop("sync_mode", None), rc.pop("sync_dir", None)
+            for key in TRAINER_KEYS:  # the trainer's side of weight sync
+                rc.pop(key, None)
+            if self.staged and isinstance(rc.get("launcher"), dict):  # SGLang releases memory only with a saver
+                rc["launcher"]["memory_saver"] = True
             self.engine = build_engine(name, model_path=str(self.model_dir), seed=cfg.seed, **rc)
             self.reward_fn = build_reward(OmegaConf.to_container(cfg.reward, resolve=True))
         self.logger = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
@@ -217,6 +221,8 @@ class Run:
         if self.rank == 0:
             metrics.update(self.data.metrics())
             metrics.update(failures)
+            if hasattr(self.engine, "fault_metrics"):  # SGLang: HTTP retries, stale samples dropped, restarts
+                metrics.update(self.engine.fault_metrics())
         return rb, metrics
 
     def anchors(self, rb) -> dict[str, torch.Tensor]:
@@ -246,8 +252,10 @@ class Run:
         if bump:
             self.version += 1
         rc = self.cfg.rollout
+        opts = SyncOptions(sync_dir=rc.get("sync_dir"), config_dir=self.model_dir,
+                           keep_versions=rc.get("keep_versions", 2), bucket_mb=rc.get("bucket_mb", 512.0))
         return sync_weights(self.policy, self.engine, self.version, mode=rc.get("sync_mode", "tensor") or "tensor",
-                            disk_dir=rc.get("sync_dir"), config_dir=self.model_dir)
+                            options=opts)
 
     def log(self, metrics: dict[str, float]) -> None:
         if self.rank != 0:
@@ -347,7 +355,7 @@ class Run:
         return int(ck.name.split("_")[1]) if ck else None
 
     def export_hf(self) -> None:
-        from mcore_rl.rollout.disk_sync import write_hf_folder
+        from mcore_rl.rollout.weight_sync.disk_sync import write_hf_folder
 
         stream = self.policy.hf_tensors(dst=0)
         if self.rank == 0:

@@ -57,7 +57,7 @@ def forward_logprobs(model, prompt: list[int], output: list[int], temperature: f
 @pytest.fixture(scope="session")
 def served(tiny_dir, tmp_path_factory):
     """Two real `mcore-rl-serve` subprocesses on free loopback ports, under the launcher."""
-    from mcore_rl.rollout.launcher import MCORE_RL_SERVE_COMMAND, LauncherConfig, ServerLauncher
+    from mcore_rl.rollout.sglang.launcher import MCORE_RL_SERVE_COMMAND, LauncherConfig, ServerLauncher
 
     cfg = LauncherConfig(
         model_path=str(tiny_dir), num_servers=2, command=MCORE_RL_SERVE_COMMAND + ["--num-threads", "1"],

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
-from mcore_rl.rollout.dist_group import init_weight_update_group
-from mcore_rl.rollout.sglang_api import unknown_fields
+from mcore_rl.rollout.sglang.api import unknown_fields
+from mcore_rl.rollout.weight_sync.dist_group import init_weight_update_group
 
 STATE: dict = {"group": None, "weights": {}, "calls": []}
 

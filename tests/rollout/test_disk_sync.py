@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mcore_rl.rollout import disk_sync
+from mcore_rl.rollout.weight_sync import disk_sync
 
 pytestmark = pytest.mark.rollout
 
@@ -77,3 +77,32 @@ def test_overwrite_and_prune(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000003"]
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         list(disk_sync.iter_safetensors(tmp_path))
+
+
+def test_disk_transport_10_rounds_keeps_exactly_keep_versions(tmp_path, tiny_dir, tiny_model):
+    """The trainer's disk transport: every round writes v<N>, the engine loads it, old versions are pruned;
+    temp folders a killed writer left behind are removed (each would be a full model copy on the disk)."""
+    from mcore_rl.rollout.local.engine import LocalEngine
+    from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
+    from mcore_rl.rollout.weight_sync.transports import SyncOptions, send_weights
+
+    root = tmp_path / "sync"
+    (root / ".v00000007.tmp-abc").mkdir(parents=True)  # crashed writer
+    (root / ".v00000007.tmp-abc" / "shard-00000.safetensors").write_bytes(b"x" * 1000)
+    (root / ".v00000003.old-xyz").mkdir()
+    (root / "notes").mkdir()  # not ours: left alone
+    opts = SyncOptions(sync_dir=root, config_dir=tiny_dir, keep_versions=3)
+    base = {k: v.detach().clone() for k, v in tiny_model.state_dict().items()}
+    req = GenerationRequest([3, 4, 5], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    with LocalEngine(str(tiny_dir)) as eng:
+        first = eng.generate([req])[0].output_ids
+        for v in range(1, 11):
+            scale = 1.0 if v == 10 else 1.0 + 0.5 * v  # rounds change the weights; the last restores them
+            send_weights("disk", eng, ((k, t * scale) for k, t in base.items()), v, opts)
+            assert eng.weight_version == v
+            assert len([p for p in root.iterdir() if p.name.startswith("v")]) == min(v, 3)
+        out = eng.generate([req])[0]
+    assert sorted(p.name for p in root.iterdir()) == ["notes", "v00000008", "v00000009", "v00000010"]
+    assert out.output_ids == first and out.weight_versions == [10] * 4  # v10 (= base weights) is what loaded
+    with pytest.raises(ValueError, match="keep_versions=0"):
+        SyncOptions(sync_dir=root, keep_versions=0)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from mcore_rl.rollout.launcher import ROUTER_COMMAND, LauncherConfig, ServerLauncher
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
-from mcore_rl.rollout.sglang import SGLangEngine
+from mcore_rl.rollout.sglang.launcher import ROUTER_COMMAND, LauncherConfig, ServerLauncher
+from mcore_rl.rollout.sglang.remote_engine import SGLangEngine
 
 pytestmark = pytest.mark.rollout
 
@@ -49,8 +49,8 @@ def test_failed_start_raises_with_log_tail_and_cleans_up(tmp_path):
 def test_command_templates():
     launcher = ServerLauncher(LauncherConfig(model_path="/m", tp_size=2))
     cmd = launcher._fmt(launcher.cfg.command, model_path="/m", tp_size=2, port=31000, host="0.0.0.0")
-    assert cmd[1:] == ["-m", "sglang.launch_server", "--model-path", "/m", "--tp", "2", "--port", "31000",
+    assert cmd[1:] == ["-m", "sglang.launch_server", "--model-path", "/m", "--tp-size", "2", "--port", "31000",
                        "--host", "0.0.0.0"]  # fmt: skip
     urls = ["http://a:1", "http://b:2"]
-    router = launcher._fmt(ROUTER_COMMAND, worker_urls=urls, port=30000, host="h")
+    router = launcher._fmt(ROUTER_COMMAND, worker_urls=urls, port=30000, host="h", prometheus_port=30001)
     assert router[router.index("--worker-urls") + 1 : router.index("--port")] == urls

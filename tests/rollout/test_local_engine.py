@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from mcore_rl.rollout.local import LocalEngine
+from mcore_rl.rollout.local.engine import LocalEngine
 from mcore_rl.rollout.protocol import GenerationRequest, RolloutEngine, SamplingParams, build_engine
 from tests.rollout.conftest import forward_logprobs
 
@@ -141,7 +141,7 @@ def test_abort_by_rid_from_another_thread(engine):
 
 
 def test_pause_in_place_update_resume_tags_versions(tiny_dir, tiny_alt_dir):
-    from mcore_rl.rollout.disk_sync import iter_safetensors
+    from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
     with LocalEngine(str(tiny_dir)) as eng:
         fut = eng.submit([req([3, 4, 5], max_new_tokens=300, ignore_eos=True)])[0]
@@ -172,7 +172,7 @@ def test_pause_abort_holds_new_requests(tiny_dir):
 
 
 def test_update_weights_changes_outputs_and_errors(tiny_dir, tiny_alt_dir, tiny_alt_model):
-    from mcore_rl.rollout.disk_sync import iter_safetensors
+    from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
     greedy = dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     with LocalEngine(str(tiny_dir)) as eng, LocalEngine(str(tiny_alt_dir)) as alt:
@@ -246,7 +246,10 @@ def engine_kwargs_from_yaml(name: str, **overrides) -> tuple[str, dict]:
     )
     rc = OmegaConf.to_container(cfg.rollout, resolve=True)
     engine = rc.pop("engine")
-    rc.pop("sync_mode"), rc.pop("sync_dir")
+    from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS
+
+    for key in TRAINER_KEYS:
+        rc.pop(key, None)
     return engine, rc
 
 

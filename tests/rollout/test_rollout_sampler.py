@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl.rollout.sampler import RowParams, sample_next
+from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
 
 pytestmark = pytest.mark.rollout
 

@@ -19,10 +19,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from mcore_rl.rollout.launcher import LauncherConfig, ServerLauncher, free_port
 from mcore_rl.rollout.protocol import GenerationRequest, RolloutEngine, SamplingParams
-from mcore_rl.rollout.sglang import AsyncSGLangClient, SGLangClientConfig, SGLangEngine, SGLangHTTPError
-from mcore_rl.rollout.sglang_api import (
+from mcore_rl.rollout.sglang.api import (
     SAMPLING_FIELDS,
     SGLANG_FIELDS,
     check_payload,
@@ -31,6 +29,10 @@ from mcore_rl.rollout.sglang_api import (
     serialize_named_tensors,
     tensor_update_payload,
 )
+from mcore_rl.rollout.sglang.client import AsyncSGLangClient, SGLangClientConfig, SGLangHTTPError
+from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher, free_port
+from mcore_rl.rollout.sglang.remote_engine import SGLangEngine
+from mcore_rl.rollout.weight_sync.transports import SyncOptions, send_weights
 from tests.rollout.conftest import forward_logprobs
 
 pytestmark = pytest.mark.rollout
@@ -40,9 +42,9 @@ RECORDED: list[tuple[str, dict]] = []  # every payload any client in this module
 @pytest.fixture(scope="module")
 def client(served, tiny_dir, tmp_path_factory):
     eng = SGLangEngine(
-        served.worker_urls, model_path=str(tiny_dir), weight_dir=str(tmp_path_factory.mktemp("sync")),
-        keep_versions=1, batch_size=3, on_payload=lambda e, p: RECORDED.append((e, p)),
+        served.worker_urls, model_path=str(tiny_dir), batch_size=3, on_payload=lambda e, p: RECORDED.append((e, p)),
     )  # fmt: skip
+    eng.sync_options = SyncOptions(sync_dir=tmp_path_factory.mktemp("sync"), config_dir=tiny_dir, keep_versions=1)
     yield eng
     eng.close()
 
@@ -150,10 +152,11 @@ def test_update_weights_from_disk_changes_outputs_and_version(
     ref = forward_logprobs(tiny_alt_model, prompt, after.output_ids, 1.0)
     assert (torch.tensor(after.output_logprobs) - ref).abs().max().item() < 1e-4
     # trainer path: full HF tensors -> versioned safetensors folder -> every server loads it
-    client.update_weights(((k, v.detach()) for k, v in tiny_model.state_dict().items()), version=8)
+    named = ((k, v.detach()) for k, v in tiny_model.state_dict().items())
+    send_weights("disk", client, named, 8, client.sync_options)
     back = client.generate([greedy(prompt)])[0]
     assert back.output_ids == before.output_ids and back.weight_versions == [8] * 8
-    assert [p.name for p in Path(client.weight_dir).iterdir()] == ["v00000008"]
+    assert [p.name for p in Path(client.sync_options.sync_dir).iterdir()] == ["v00000008"]
     with pytest.raises(SGLangHTTPError, match="400"):
         client.update_weights_from_disk("/nonexistent/folder", version=9)
     assert client.weight_version == 8
@@ -178,8 +181,12 @@ def test_pause_abort_then_continue(client, served):
 
 def test_every_payload_uses_only_sglang_fields(client, served):
     client.flush_cache()
+    start = len(RECORDED)
     client.release_memory()
     client.resume_memory()
+    order = [e for e, _ in RECORDED[start:]]  # SGLang releases only from a paused (idle) server
+    assert order == ["/pause_generation"] * 2 + ["/release_memory_occupation"] * 2 + [
+        "/resume_memory_occupation"] * 2 + ["/continue_generation"] * 2  # fmt: skip
     client.abort(None)
     client.update_weight_version(client.weight_version)
     built = [
@@ -211,11 +218,11 @@ def test_every_payload_uses_only_sglang_fields(client, served):
         check_payload("/generate", {"input_ids": [1], "sampling_params": {"seed": 1}})
     url = served.worker_urls[0]
     status, text = post(url + "/generate", b'{"input_ids": [1, 2], "return_logprobs": true}')
-    assert status == 400 and "return_logprobs" in text
+    assert status == 200 and "output_token_logprobs" not in text  # unknown top-level: ignored, as SGLang does
     status, text = post(url + "/generate", b'{"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}}')
     assert status == 400 and "sampling_params.max_tokens" in text
     status, text = post(url + "/update_weights_from_disk", b'{"path": "/x"}')
-    assert status == 400 and "path" in text
+    assert status == 400 and "model_path is required" in text
 
 
 # ---------------------------------------------------------------------- retries, against an in-process fake
@@ -290,11 +297,11 @@ def test_update_weights_from_distributed_with_gloo(tmp_path):
     with ServerLauncher(cfg) as launcher:
         nccl = {"master_address": "127.0.0.1", "master_port": free_port(), "backend": "gloo"}
         eng = SGLangEngine(
-            launcher.worker_urls, weight_sync="nccl", nccl=nccl, bucket_mb=0.01,
+            launcher.worker_urls, nccl=nccl, bucket_mb=0.01,
             on_payload=lambda e, p: RECORDED.append((e, p)),
         )  # fmt: skip
         try:
-            eng.update_weights(iter(named), version=3)  # joins the group (ranks 0, 1, 2) on first use
+            send_weights("nccl", eng, iter(named), 3, SyncOptions())  # joins the group (ranks 0, 1, 2) first
             assert eng.weight_version == 3 and list(eng.groups) == ["weight_update_group"]
             joins = sorted(p["rank_offset"] for e, p in RECORDED if e == "/init_weights_update_group")[-2:]
             assert joins == [1, 2]

@@ -13,7 +13,8 @@ from mcore_rl.models.spec import BuildConfig
 from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import Policy, PolicyConfig
 from mcore_rl.policy.step import PolicyBatch
-from mcore_rl.rollout.megatron_sync import sync_weights
+from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
+from mcore_rl.rollout.weight_sync.transports import SyncOptions
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
     ref = policy.logprobs(batch, temperature=0.8)
     engine = None
     if dist.get_rank() == 0:
-        from mcore_rl.rollout.local import LocalEngine
+        from mcore_rl.rollout.local.engine import LocalEngine
 
         engine = LocalEngine(a.hf, seed=0)
     def engine_logp() -> torch.Tensor:
@@ -45,7 +46,8 @@ def main() -> None:
         return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
     before = engine_logp() if engine is not None else None
-    stats = sync_weights(policy, engine, version=7, mode=a.mode, disk_dir=a.out + ".sync", config_dir=a.hf)
+    stats = sync_weights(policy, engine, version=7, mode=a.mode,
+                         options=SyncOptions(sync_dir=a.out + ".sync", config_dir=a.hf))
     # the last PP stage holds the policy log-probs; ship them to rank 0
     if a.pp > 1:
         box = [ref]

@@ -4,11 +4,16 @@ Each server runs in its own session (so stop() takes its child processes too), l
 answer /health before start() returns. A monitor thread restarts a server whose process died (up to
 `max_restarts` times each). Everything is stopped on exit: context manager + atexit.
 The command is a template so tests (and CPU machines) can launch `mcore-rl-serve` instead of SGLang.
+After a restart, `on_restart(url)` runs (the engine replays the current weights there) before the server
+counts as up again. The API key reaches children as $MCORE_RL_API_KEY; only commands that cannot read it
+from there (SGLang, the router) get `--api-key` through the `{api_key_args}` placeholder, and logged command
+lines show it as ***. `log_dir/servers.json` lists pid, url and restarts of every process (for operators).
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -19,15 +24,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 log = logging.getLogger(__name__)
 
+API_KEY_ENV = "MCORE_RL_API_KEY"
 SGLANG_COMMAND = [
-    "{python}", "-m", "sglang.launch_server", "--model-path", "{model_path}", "--tp", "{tp_size}",
-    "--port", "{port}", "--host", "{host}",
+    "{python}", "-m", "sglang.launch_server", "--model-path", "{model_path}", "--tp-size", "{tp_size}",
+    "--port", "{port}", "--host", "{host}", "{api_key_args}",
 ]  # fmt: skip
 MCORE_RL_SERVE_COMMAND = [
     "{python}", "-m", "mcore_rl.rollout.server", "--model-path", "{model_path}", "--port", "{port}",
@@ -35,8 +42,17 @@ MCORE_RL_SERVE_COMMAND = [
 ]  # fmt: skip
 ROUTER_COMMAND = [
     "{python}", "-m", "sglang_router.launch_router", "--worker-urls", "{worker_urls}", "--port", "{port}",
-    "--host", "{host}",
+    "--host", "{host}", "--prometheus-port", "{prometheus_port}", "--health-check-interval-secs", "2",
+    "--log-level", "warn", "{api_key_args}",
 ]  # fmt: skip
+COMMANDS: dict[str, list[str]] = {"sglang": SGLANG_COMMAND, "mcore-rl-serve": MCORE_RL_SERVE_COMMAND}
+# Server flags switched on by LauncherConfig booleans (SGLang's names; mcore-rl-serve accepts them too).
+# memory_saver: release/resume_memory_occupation are silent no-ops in SGLang without it.
+# deterministic: SGLang ignores sampling_seed without it.
+FLAGS: dict[str, list[str]] = {
+    "memory_saver": ["--enable-memory-saver"],
+    "deterministic": ["--enable-deterministic-inference"],
+}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,7 +83,8 @@ class LauncherConfig:
     tp_size: int = 1
     host: str = "127.0.0.1"
     base_port: int = 0  # 0: pick free ports
-    command: list[str] = field(default_factory=lambda: list(SGLANG_COMMAND))
+    server: str = "sglang"  # a key of COMMANDS
+    command: list[str] | None = None  # a template of its own instead of COMMANDS[server]
     extra_args: list[str] = field(default_factory=list)
     gpu_ids: list[int] | None = None  # server i gets gpu_ids[i*tp : (i+1)*tp] as CUDA_VISIBLE_DEVICES
     router: bool = False
@@ -79,8 +96,15 @@ class LauncherConfig:
     monitor_interval_s: float = 2.0
     max_restarts: int = 3
     env: dict[str, str] = field(default_factory=dict)
+    memory_saver: bool = False  # the schedule releases engine memory between rounds
+    deterministic: bool = False  # seeded sampling requested
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.command is None:
+            if self.server not in COMMANDS:
+                raise ValueError(f"rollout.launcher.server={self.server!r}: expected one of {sorted(COMMANDS)}")
+            self.command = list(COMMANDS[self.server])
         if self.num_servers < 1:
             raise ValueError(f"LauncherConfig.num_servers={self.num_servers} must be >= 1")
         if self.gpu_ids is not None and len(self.gpu_ids) < self.num_servers * self.tp_size:
@@ -100,11 +124,13 @@ class _Proc:
     log_file: IO | None = None
     restarts: int = 0
     failed: bool = False
+    restarting: bool = False
 
 
 class ServerLauncher:
-    def __init__(self, cfg: LauncherConfig) -> None:
+    def __init__(self, cfg: LauncherConfig, on_restart: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
+        self.on_restart = on_restart
         self.servers: list[_Proc] = []
         self.router: _Proc | None = None
         self._stop = threading.Event()
@@ -123,11 +149,35 @@ class ServerLauncher:
     def restarts(self) -> list[int]:
         return [s.restarts for s in self.servers]
 
+    def failure(self) -> str | None:
+        """One line naming a server whose restart budget is spent, or None."""
+        for p in self.servers + ([self.router] if self.router else []):
+            if p.failed:
+                return (f"rollout {p.name} at {p.url} kept dying: restarted {p.restarts} times "
+                        f"(max_restarts={self.cfg.max_restarts}); see {p.log_path}")  # fmt: skip
+        return None
+
+    def restarting(self, url: str) -> bool:
+        """True while the server at `url` is dead or coming back (control calls to it may be skipped)."""
+        for p in self.servers:
+            if p.url == url:
+                return p.restarting or p.popen is None or p.popen.poll() is not None
+        return False
+
+    def _write_state(self) -> None:
+        state = [{"name": p.name, "url": p.url, "pid": p.popen.pid if p.popen else None, "restarts": p.restarts,
+                  "failed": p.failed} for p in self.servers + ([self.router] if self.router else [])]  # fmt: skip
+        tmp = Path(self.cfg.log_dir) / ".servers.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, Path(self.cfg.log_dir) / "servers.json")
+
     def _fmt(self, template: list[str], **values) -> list[str]:
         out: list[str] = []
         for tok in template:
             if tok == "{worker_urls}":
                 out.extend(values["worker_urls"])
+            elif tok == "{api_key_args}":
+                out.extend(["--api-key", self.cfg.api_key] if self.cfg.api_key else [])
             else:
                 out.append(
                     tok.format(
@@ -144,11 +194,16 @@ class ServerLauncher:
             port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
             values = dict(model_path=cfg.model_path, tp_size=cfg.tp_size, port=port, host=cfg.host)
             env = dict(cfg.env)
+            if cfg.api_key:
+                env[API_KEY_ENV] = cfg.api_key
             if cfg.gpu_ids is not None:
                 gpus = cfg.gpu_ids[i * cfg.tp_size : (i + 1) * cfg.tp_size]
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
             proc = _Proc(
-                f"server{i}", self._fmt(cfg.command, **values) + list(cfg.extra_args),
+                f"server{i}",
+                self._fmt(cfg.command, **values)
+                + [flag for key, flags in FLAGS.items() if getattr(cfg, key) for flag in flags]
+                + [str(a) for a in cfg.extra_args],
                 f"http://{cfg.host}:{port}", env, Path(cfg.log_dir) / f"server{i}.log",
             )  # fmt: skip
             self.servers.append(proc)
@@ -158,7 +213,8 @@ class ServerLauncher:
                 self._wait_healthy(proc)
             if cfg.router:
                 port = cfg.router_port or free_port(cfg.host)
-                cmd = self._fmt(cfg.router_command, worker_urls=self.worker_urls, port=port, host=cfg.host)
+                cmd = self._fmt(cfg.router_command, worker_urls=self.worker_urls, port=port, host=cfg.host,
+                                prometheus_port=free_port(cfg.host))  # fmt: skip
                 self.router = _Proc(
                     "router",
                     cmd,
@@ -171,6 +227,7 @@ class ServerLauncher:
         except BaseException:
             self.stop()
             raise
+        self._write_state()
         if cfg.monitor:
             self._monitor = threading.Thread(target=self._watch, name="rollout-launcher-monitor", daemon=True)
             self._monitor.start()
@@ -178,7 +235,8 @@ class ServerLauncher:
 
     def _spawn(self, proc: _Proc) -> None:
         proc.log_file = open(proc.log_path, "ab")  # noqa: SIM115 -- lives as long as the process
-        proc.log_file.write(f"\n==== {time.strftime('%F %T')} start: {' '.join(proc.cmd)}\n".encode())
+        shown = " ".join("***" if self.cfg.api_key and tok == self.cfg.api_key else tok for tok in proc.cmd)
+        proc.log_file.write(f"\n==== {time.strftime('%F %T')} start: {shown}\n".encode())
         proc.log_file.flush()
         proc.popen = subprocess.Popen(
             proc.cmd, stdout=proc.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -216,28 +274,26 @@ class ServerLauncher:
                     code = proc.popen.returncode
                     if proc.restarts >= self.cfg.max_restarts:
                         proc.failed = True
-                        log.error(
-                            "%s died (code %s); restart budget %d spent",
-                            proc.name,
-                            code,
-                            self.cfg.max_restarts,
-                        )
+                        log.error("%s died (code %s); restart budget %d spent", proc.name, code,
+                                  self.cfg.max_restarts)  # fmt: skip
+                        self._write_state()
                         continue
                     proc.restarts += 1
-                    log.warning(
-                        "%s died (code %s); restart %d/%d",
-                        proc.name,
-                        code,
-                        proc.restarts,
-                        self.cfg.max_restarts,
-                    )
+                    proc.restarting = True
+                    log.warning("%s died (code %s); restart %d/%d", proc.name, code, proc.restarts,
+                                self.cfg.max_restarts)  # fmt: skip
                     _killpg(proc.popen.pid, signal.SIGKILL)  # orphaned children of the dead server
                     self._close_log(proc)
                     self._spawn(proc)
+                    self._write_state()
                 try:
                     self._wait_healthy(proc)
-                except (RuntimeError, TimeoutError) as exc:
+                    if self.on_restart is not None and proc is not self.router:
+                        self.on_restart(proc.url)  # e.g. replay the current weights before it counts as up
+                except Exception as exc:  # noqa: BLE001 -- the monitor must survive; the next pass retries
                     log.error("%s restart failed: %s", proc.name, exc)
+                finally:
+                    proc.restarting = False
 
     def healthy(self) -> bool:
         procs = self.servers + ([self.router] if self.router else [])

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.rollout.kv_cache import KVCache
+from mcore_rl.rollout.local.kv_cache import KVCache
 
 
 @dataclass

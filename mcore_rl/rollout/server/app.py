@@ -10,47 +10,98 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from mcore_rl.rollout.local import LocalEngine
+from mcore_rl.rollout.local.engine import LocalEngine
 from mcore_rl.rollout.protocol import PAUSE_MODES, GenerationRequest, SamplingParams
-from mcore_rl.rollout.server_codec import BadRequest, as_int_version, parse_generate, render_sample
-from mcore_rl.rollout.sglang_api import unknown_fields
+from mcore_rl.rollout.server.codec import BadRequest, as_int_version, parse_generate, render_sample
+from mcore_rl.rollout.sglang.api import SGLANG_TYPES, type_error
 
 log = logging.getLogger("mcore_rl.serve")
-ENGINE = web.AppKey("engine", LocalEngine)
-INFO = web.AppKey("info", dict)
+API_KEY_ENV = "MCORE_RL_API_KEY"  # how the launcher hands the key over (not argv, which `ps` shows to everyone)
+# SGLang leaves these open with --api-key (load balancers and the router probe them without credentials)
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class TooBusy(Exception):
+    """More work than the server's limits allow: HTTP 429 (try later or split the request)."""
+
+
+@dataclass
+class Limits:
+    """What one server takes on. Why: a single oversized or runaway client must not take the server down."""
+
+    max_body_bytes: int = 64 * 2**20  # 413 above this
+    max_samples_per_request: int = 4096  # prompts x n in one /generate; 429 above this
+    max_queued_samples: int = 16384  # samples accepted but not finished, all requests together; 429 above this
+
+
+@dataclass
+class ServerState:
+    engine: LocalEngine
+    info: dict[str, Any]
+    limits: Limits = field(default_factory=Limits)
+    api_key: str | None = None
+    queued: int = 0
+    ignored_fields: set[tuple[str, str]] = field(default_factory=set)
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _engine(request: web.Request) -> LocalEngine:
+    return request.app[STATE].engine
 
 
 async def _body(request: web.Request, endpoint: str) -> dict[str, Any]:
-    raw = await request.read()
+    raw = await request.read()  # aiohttp answers 413 itself above client_max_size
     if not raw.strip():
         return {}
     try:
-        body = await request.json()
-    except ValueError as exc:
-        raise BadRequest(f"{endpoint}: body is not valid JSON ({exc})") from None
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"{endpoint}: body is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(body, dict):
-        raise BadRequest(f"{endpoint}: body must be a JSON object")
-    bad = unknown_fields(endpoint, body)
-    if bad:
-        raise BadRequest(f"{endpoint}: unknown field(s) {bad}")
+        raise BadRequest(f"{endpoint}: body must be a JSON object, got {type(body).__name__}")
+    state = request.app[STATE]
+    for name in set(body) - set(SGLANG_TYPES[endpoint]):
+        if (endpoint, name) not in state.ignored_fields:  # SGLang ignores unknown top-level fields too
+            state.ignored_fields.add((endpoint, name))
+            log.debug("%s: ignoring unknown top-level field %r (logged once)", endpoint, name)
+    err = type_error(endpoint, body)
+    if err:
+        raise BadRequest(err)
     return body
 
 
 # ---------------------------------------------------------------------- handlers
 async def generate(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
-    engine = request.app[ENGINE]
-    requests, options, single = parse_generate(await _body(request, "/generate"), engine.tokenizer)
+    state = request.app[STATE]
+    engine = state.engine
+    cfg = engine.model.config
+    requests, options, single = parse_generate(
+        await _body(request, "/generate"), engine.tokenizer, getattr(cfg, "max_position_embeddings", None),
+        getattr(cfg, "vocab_size", None),
+    )  # fmt: skip
+    count = sum(r.sampling.n for r in requests)
+    lim = state.limits
+    if count > lim.max_samples_per_request:
+        raise TooBusy(f"/generate: {count} samples (prompts x n) > max_samples_per_request={lim.max_samples_per_request}")
+    if state.queued + count > lim.max_queued_samples:
+        raise TooBusy(f"/generate: {state.queued} samples queued + {count} > max_queued_samples={lim.max_queued_samples}")
     try:
         futures = engine.submit(requests)
     except (RuntimeError, ValueError) as exc:
         raise BadRequest(f"/generate: {exc}") from None
+    state.queued += count
     item_opts = [opts for req, opts in zip(requests, options) for _ in range(req.sampling.n)]
     try:
         samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
@@ -58,6 +109,8 @@ async def generate(request: web.Request) -> web.Response:
         for req in requests:
             engine.abort(req.rid)
         raise
+    finally:
+        state.queued -= count
     out = [render_sample(s, o, engine, t0) for s, o in zip(samples, item_opts)]
     return web.json_response(out[0] if single else out)
 
@@ -67,7 +120,7 @@ async def _in_thread(fn, *args):
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+    engine = _engine(request)
     body = await _body(request, "/update_weights_from_disk")
     if not body.get("model_path"):
         raise BadRequest("/update_weights_from_disk: model_path is required")
@@ -76,7 +129,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         engine.abort(None)
     try:
         await _in_thread(
-            engine.update_weights_from_disk, body["model_path"], version or engine.weight_version
+            engine.update_weights_from_disk, body["model_path"], engine.weight_version if version is None else version
         )
     except (OSError, KeyError, ValueError, RuntimeError) as exc:
         msg = f"Failed to update weights: {exc}"
@@ -86,7 +139,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+    engine = _engine(request)
     body = await _body(request, "/update_weight_version")
     version = as_int_version(body.get("new_version"), "new_version")
     if version is None:
@@ -102,9 +155,9 @@ async def update_weight_version(request: web.Request) -> web.Response:
 async def abort_request(request: web.Request) -> web.Response:
     body = await _body(request, "/abort_request")
     if body.get("abort_all"):
-        request.app[ENGINE].abort(None)
+        _engine(request).abort(None)
     elif body.get("rid"):
-        request.app[ENGINE].abort(str(body["rid"]))
+        _engine(request).abort(str(body["rid"]))
     return web.Response(status=200)
 
 
@@ -112,19 +165,19 @@ async def pause_generation(request: web.Request) -> web.Response:
     mode = (await _body(request, "/pause_generation")).get("mode", "abort")
     if mode not in PAUSE_MODES:
         raise BadRequest(f"/pause_generation: mode={mode!r} not in {PAUSE_MODES}")
-    await _in_thread(request.app[ENGINE].pause, mode)
+    await _in_thread(_engine(request).pause, mode)
     return web.json_response({"message": "Generation paused successfully."})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     await _body(request, "/continue_generation")
-    request.app[ENGINE].resume()
+    _engine(request).resume()
     return web.json_response({"message": "Generation continued successfully."})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     await _body(request, "/flush_cache")
-    if request.app[ENGINE].num_running:
+    if _engine(request).num_running:
         return web.Response(status=400, text="Cache not flushed because there are pending requests.")
     return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
 
@@ -132,7 +185,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def release_memory(request: web.Request) -> web.Response:
     await _body(request, "/release_memory_occupation")
     try:
-        await _in_thread(request.app[ENGINE].release_memory)
+        await _in_thread(_engine(request).release_memory)
     except RuntimeError as exc:
         raise BadRequest(f"/release_memory_occupation: {exc}") from None
     return web.Response(status=200)
@@ -140,17 +193,17 @@ async def release_memory(request: web.Request) -> web.Response:
 
 async def resume_memory(request: web.Request) -> web.Response:
     await _body(request, "/resume_memory_occupation")
-    await _in_thread(request.app[ENGINE].resume_memory)
+    await _in_thread(_engine(request).resume_memory)
     return web.Response(status=200)
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200 if request.app[ENGINE].health() else 503)
+    return web.Response(status=200 if _engine(request).health() else 503)
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """Run a 1-token generate (skipped while paused, where SGLang's check would hang too)."""
-    engine = request.app[ENGINE]
+    engine = _engine(request)
     if not engine.health():
         return web.Response(status=503)
     if engine.paused:
@@ -164,7 +217,7 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    engine, info = request.app[ENGINE], request.app[INFO]
+    engine, info = _engine(request), request.app[STATE].info
     return web.json_response(
         {
             "model_path": info["model_path"],
@@ -178,10 +231,10 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+    engine = _engine(request)
     return web.json_response(
         {
-            **request.app[INFO],
+            **request.app[STATE].info,
             "weight_version": str(engine.weight_version),
             "max_batch_size": engine.max_batch_size,
         }
@@ -190,7 +243,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def get_weights_by_name(request: web.Request) -> web.Response:
     body = await _body(request, "/get_weights_by_name")
-    params = dict(request.app[ENGINE].model.state_dict())
+    params = dict(_engine(request).model.state_dict())
     if body.get("name") not in params:
         raise BadRequest(f"/get_weights_by_name: unknown tensor name {body.get('name')!r}")
     flat = params[body["name"]].detach().float().flatten()[: int(body.get("truncate_size", 100))]
@@ -205,17 +258,38 @@ async def not_supported(request: web.Request) -> web.Response:
 
 
 @web.middleware
+async def auth(request: web.Request, handler) -> web.StreamResponse:
+    """`Authorization: Bearer <key>` on every path but /health* and /metrics, as SGLang's --api-key does."""
+    key = request.app[STATE].api_key
+    if key and not request.path.startswith(OPEN_PATHS):
+        if request.headers.get("Authorization", "") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
+@web.middleware
 async def errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except BadRequest as exc:
         log.warning("400 %s: %s", request.path, exc)
         return web.json_response({"error": {"message": str(exc)}}, status=400)
+    except TooBusy as exc:
+        log.warning("429 %s: %s", request.path, exc)
+        return web.json_response({"error": {"message": str(exc)}}, status=429)
 
 
-def build_app(engine: LocalEngine, info: dict[str, Any], close_engine: bool = True) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=1 << 30)
-    app[ENGINE], app[INFO] = engine, info
+def build_app(
+    engine: LocalEngine,
+    info: dict[str, Any],
+    close_engine: bool = True,
+    *,
+    limits: Limits | None = None,
+    api_key: str | None = None,
+) -> web.Application:
+    limits = limits or Limits()
+    app = web.Application(middlewares=[auth, errors], client_max_size=limits.max_body_bytes)
+    app[STATE] = ServerState(engine, info, limits, api_key or None)
     post = {
         "/generate": generate,
         "/update_weights_from_disk": update_weights_from_disk,
@@ -253,6 +327,15 @@ def build_app(engine: LocalEngine, info: dict[str, Any], close_engine: bool = Tr
     return app
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key (SGLang's flag), else --api-key-file, else $MCORE_RL_API_KEY (what the launcher uses)."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        return open(args.api_key_file).read().strip() or None
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="SGLang-compatible HTTP server over the mcore-rl local engine")
     p.add_argument("--model-path", required=True)
@@ -265,6 +348,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--api-key", default=None, help=f"prefer --api-key-file or ${API_KEY_ENV}: argv is public")
+    p.add_argument("--api-key-file", default=None)
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--max-samples-per-request", type=int, default=Limits.max_samples_per_request)
+    p.add_argument("--max-queued-samples", type=int, default=Limits.max_queued_samples)
+    # SGLang's flags, accepted so one launcher command line fits both servers. This engine is always seeded
+    # per sample, and releases memory without a saver; both are reported in /server_info.
+    p.add_argument("--tp-size", type=int, default=1, choices=[1])
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -274,13 +367,19 @@ def main(argv: list[str] | None = None) -> None:
         max_batch_size=args.max_batch_size, seed=args.seed, weight_version=args.weight_version,
     )  # fmt: skip
     info = {
-        "model_path": args.model_path, "host": args.host, "port": args.port, "tp_size": 1, "dp_size": 1,
-        "device": args.device, "dtype": args.dtype, "version": "mcore-rl-serve/0.1",
+        "model_path": args.model_path, "host": args.host, "port": args.port, "tp_size": args.tp_size,
+        "dp_size": 1, "device": args.device, "dtype": args.dtype, "version": "mcore-rl-serve/0.1",
+        "enable_memory_saver": args.enable_memory_saver,
+        "enable_deterministic_inference": args.enable_deterministic_inference,
     }  # fmt: skip
-    log.info("mcore-rl-serve: http://%s:%d  model=%s", args.host, args.port, args.model_path)
+    limits = Limits(args.max_body_bytes, args.max_samples_per_request, args.max_queued_samples)
+    key = _api_key(args)
+    log.info("mcore-rl-serve: http://%s:%d  model=%s  auth=%s", args.host, args.port, args.model_path,
+             "on" if key else "off")  # fmt: skip
     web.run_app(
-        build_app(engine, info), host=args.host, port=args.port, print=None, handler_cancellation=True
-    )
+        build_app(engine, info, limits=limits, api_key=key), host=args.host, port=args.port, print=None,
+        handler_cancellation=True,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,9 +26,12 @@ def as_int_version(value: Any, name: str) -> int | None:
     if value is None:
         return None
     try:
-        return int(value)
+        version = int(value)
     except (TypeError, ValueError):
         raise BadRequest(f"{name}={value!r}: mcore-rl-serve tags tokens with integer versions") from None
+    if not 0 <= version < 2**63:
+        raise BadRequest(f"{name}={value!r}: must be in [0, 2**63)")
+    return version
 
 
 def _per_item(value: Any, n: int, name: str, default: Any) -> list[Any]:
@@ -54,8 +57,13 @@ def _sampling(sp: dict[str, Any], where: str) -> SamplingParams:
         raise BadRequest(f"{where}: {exc}") from None
 
 
-def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerationRequest], list[dict], bool]:
-    """SGLang /generate body -> (requests, per-item options, single). Mirrors SGLang's normalisation."""
+def parse_generate(
+    body: dict[str, Any], tokenizer, context_len: int | None = None, vocab_size: int | None = None
+) -> tuple[list[GenerationRequest], list[dict], bool]:
+    """SGLang /generate body (types already checked) -> (requests, per-item options, single).
+
+    Mirrors SGLang's normalisation; like SGLang, a prompt + max_new_tokens beyond the context length is a 400.
+    """
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise BadRequest("/generate: give exactly one of text or input_ids")
     for key, ok in (
@@ -79,6 +87,10 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerationRequ
         prompts = [ids] if single else list(ids)
     if not prompts or any(not isinstance(p, list) or not p for p in prompts):
         raise BadRequest("/generate: input_ids must be a non-empty list of ints or of non-empty lists")
+    if vocab_size is not None:
+        for i, p in enumerate(prompts):
+            if any(not 0 <= t < vocab_size for t in p):
+                raise BadRequest(f"/generate: input_ids[{i}] has token ids out of range [0, {vocab_size})")
     n = len(prompts)
     sps = _per_item(body.get("sampling_params"), n, "sampling_params", {})
     rids = body.get("rid")
@@ -94,6 +106,12 @@ def parse_generate(body: dict[str, Any], tokenizer) -> tuple[list[GenerationRequ
             requests.append(GenerationRequest(prompt, params, rid=rids[i] or uuid.uuid4().hex))
         except (TypeError, ValueError) as exc:
             raise BadRequest(f"/generate item {i}: {exc}") from None
+        total = len(prompt) + params.max_new_tokens
+        if context_len is not None and total > context_len:
+            raise BadRequest(
+                f"/generate item {i}: prompt ({len(prompt)} tokens) + {where}.max_new_tokens "
+                f"({params.max_new_tokens}) = {total} exceeds the context length {context_len}"
+            )
         options.append(
             {
                 "return_logprob": bool(logprob[i]),

@@ -34,6 +34,7 @@ SIDECAR_FILES = (
     "tokenizer.model",
 )
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+_TEMP_DIR = re.compile(r"^\.v\d+\.(tmp|old)-")  # what write_hf_folder leaves behind when killed mid-write
 
 
 def _fsync(path: Path) -> None:
@@ -181,3 +182,14 @@ def prune_versions(root: str | os.PathLike, keep: int) -> list[Path]:
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def remove_stale_temp(root: str | os.PathLike) -> list[Path]:
+    """Delete temp folders a killed writer left under root (each is a partial model copy); call before writing."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if p.is_dir() and _TEMP_DIR.match(p.name)]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale

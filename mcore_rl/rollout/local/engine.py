@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.rollout.batch import DecodeBatch
-from mcore_rl.rollout.disk_sync import iter_safetensors
-from mcore_rl.rollout.kv_cache import check_full_attention
+from mcore_rl.rollout.local.decode_batch import DecodeBatch
+from mcore_rl.rollout.local.kv_cache import check_full_attention
+from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
 from mcore_rl.rollout.protocol import (
     PAUSE_MODES,
     GenerationRequest,
@@ -34,7 +34,7 @@ from mcore_rl.rollout.protocol import (
     register_engine,
     sample_seed,
 )
-from mcore_rl.rollout.sampler import RowParams, sample_next
+from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
 log = logging.getLogger(__name__)
 

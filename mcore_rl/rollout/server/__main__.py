@@ -1,0 +1,3 @@
+from mcore_rl.rollout.server.app import main
+
+main()

@@ -1,0 +1,275 @@
+"""`SGLangEngine`: the RolloutEngine protocol over SGLang servers (launched here or already running).
+
+It wraps the asyncio client behind the synchronous protocol with its own event-loop thread, so plain trainer code
+can call it and another thread can abort while generate() blocks. When it launched the servers itself, a server
+that dies is restarted by the launcher and, before it counts as up, gets the newest weights replayed (the last
+folder given to update_weights_from_disk, tagged with the trainer's version); samples it produced meanwhile carry
+an older version and are dropped and generated again by the client. A server that keeps dying stops the run
+with one line (EngineFailure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore_rl.rollout.protocol import (
+    EngineFailure,
+    GenerationRequest,
+    PauseMode,
+    Sample,
+    expand_requests,
+    register_engine,
+)
+from mcore_rl.rollout.sglang import weight_transfer
+from mcore_rl.rollout.sglang.client import AsyncSGLangClient, SGLangClientConfig
+
+log = logging.getLogger(__name__)
+
+
+def read_api_key(api_key_env: str | None = None, api_key_file: str | None = None) -> str | None:
+    """The API key from a file or an environment variable (never from the config itself: configs get logged)."""
+    if api_key_file:
+        key = Path(api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"rollout.api_key_file {api_key_file} is empty")
+        return key
+    if api_key_env:
+        key = os.environ.get(api_key_env, "")
+        if not key:
+            raise ValueError(f"rollout.api_key_env={api_key_env}: that environment variable is not set")
+        return key
+    return None
+
+
+@dataclass
+class _LoopThread:
+    """A private event loop on a daemon thread: sync callers submit coroutines to it."""
+
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-client-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro) -> Any:
+        return self.submit(coro).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@register_engine("sglang")
+class SGLangEngine:
+    """RolloutEngine over SGLang servers. Weight sync transports (weight_sync/transports.py) call
+    update_weights_from_disk (disk), update_weights (tensor: colocated CUDA IPC) or update_weights_from_distributed
+    (nccl)."""
+
+    def __init__(
+        self,
+        worker_urls: list[str] | None = None,
+        router_url: str | None = None,
+        *,
+        launcher: dict | None = None,
+        model_path: str | None = None,
+        seed: int | None = None,
+        bucket_mb: float = 512.0,
+        tp_size: int = 1,
+        nccl: dict | None = None,
+        weight_version: int = 0,
+        deterministic: bool = True,
+        api_key_env: str | None = None,
+        api_key_file: str | None = None,
+        on_payload: Callable[[str, dict], None] | None = None,
+        **client_kwargs: Any,
+    ) -> None:
+        """`worker_urls` of running servers, or (when empty) `launcher` settings to start them here.
+
+        seed: requests without their own seed get reproducible per-request seeds from it.
+        deterministic: seeded sampling (sampling_seed is sent; launched SGLang gets
+        --enable-deterministic-inference, without which it ignores seeds).
+        nccl: {master_address, master_port, backend} to create the broadcast group on first use.
+        """
+        api_key = read_api_key(api_key_env, api_key_file)
+        self._launcher = None
+        self._replay: tuple[str, int] | None = None  # newest (folder, version) every server loaded
+        self._resync_lock = threading.Lock()
+        self._lt = _LoopThread()
+        if not worker_urls and launcher is not None:
+            from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
+
+            launch = {**launcher, "model_path": launcher.get("model_path") or model_path}
+            launch.setdefault("deterministic", deterministic)
+            cfg = LauncherConfig(**launch, api_key=api_key)
+            self._launcher = ServerLauncher(cfg, on_restart=self._on_restart).start()
+            worker_urls, router_url = self._launcher.worker_urls, self._launcher.router_url
+            tp_size = cfg.tp_size
+        self.cfg = SGLangClientConfig(worker_urls=list(worker_urls or []), router_url=router_url,
+                                      seeded=deterministic, api_key=api_key, **client_kwargs)  # fmt: skip
+        self.model_path, self.tp_size = model_path, tp_size
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.nccl = dict(nccl or {})
+        self._seeds = random.Random(seed) if seed is not None else None
+        tolerate = self._launcher.restarting if self._launcher is not None else None
+        self.client = AsyncSGLangClient(self.cfg, on_payload=on_payload, version=weight_version, tolerate=tolerate)
+        self.groups: dict[str, Any] = {}  # group_name -> process group (NCCL weight sync)
+        self.restarts_seen = 0
+
+    # ------------------------------------------------------------------ restarts
+    def _on_restart(self, url: str) -> None:
+        """Launcher monitor thread: a restarted server must hold the current weights before it is used."""
+        if not hasattr(self, "client"):  # died during start-up: it comes back on the initial weights anyway
+            return
+        with self._resync_lock:
+            self.restarts_seen += 1
+            if self._replay is None:
+                if self.weight_version != 0:
+                    log.error("%s restarted but weights v%d were not sent from a folder (sync_mode=disk): it "
+                              "serves the initial weights; its samples will be dropped as stale", url,
+                              self.weight_version)  # fmt: skip
+                return
+            path, version = self._replay
+            log.warning("%s restarted: replaying weights v%d from %s", url, version, path)
+            self._lt.run(self.client.update_weights_from_disk(path, version, urls=[url]))
+
+    def _check_alive(self) -> None:
+        msg = self._launcher.failure() if self._launcher is not None else None
+        if msg:
+            raise EngineFailure(msg)
+
+    def fault_metrics(self) -> dict[str, float]:
+        """Cumulative counters for the trainer's metrics."""
+        return {
+            "rollout_http_retries": float(self.client.stats["http_retries"]),
+            "rollout_stale_dropped": float(self.client.stats["stale_dropped"]),
+            "rollout_server_restarts": float(sum(self._launcher.restarts) if self._launcher else 0),
+        }
+
+    def _seeded(self, requests: Sequence[GenerationRequest]) -> list[GenerationRequest]:
+        if self._seeds is None:
+            return list(requests)
+        return [
+            r
+            if r.sampling.seed is not None
+            else replace(r, sampling=replace(r.sampling, seed=self._seeds.getrandbits(62)))
+            for r in requests
+        ]
+
+    def _run(self, coro) -> Any:
+        try:
+            return self._lt.run(coro)
+        except Exception:
+            self._check_alive()  # a dead server explains the failure better than its last HTTP error
+            raise
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def weight_version(self) -> int:
+        return self.client.weight_version
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
+        self._check_alive()
+        return self._run(self.client.generate(self._seeded(requests)))
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[Future]:
+        """Start generating now; one Future[Sample] per sample (request-major), like LocalEngine.submit."""
+        self._check_alive()
+        requests = self._seeded(requests)
+        futures: list[Future] = [Future() for _ in expand_requests(requests)]
+
+        def fan_out(batch: Future) -> None:
+            exc = batch.exception()
+            if exc is not None:
+                msg = self._launcher.failure() if self._launcher is not None else None
+                exc = EngineFailure(msg) if msg else exc
+                for f in futures:
+                    f.set_exception(exc)
+            else:
+                for f, sample in zip(futures, batch.result()):
+                    f.set_result(sample)
+
+        self._lt.submit(self.client.generate(requests)).add_done_callback(fan_out)
+        return futures
+
+    def abort(self, rid: str | None = None) -> None:
+        self._run(self.client.abort(rid))
+
+    def pause(self, mode: PauseMode = "abort") -> None:
+        self._run(self.client.pause(mode))
+
+    def resume(self) -> None:
+        self._run(self.client.resume())
+
+    def release_memory(self) -> None:
+        """SGLang releases memory only from an idle server: pause first (resume_memory continues)."""
+        self._run(self.client.pause("abort"))
+        self._run(self.client.release_memory())
+
+    def resume_memory(self) -> None:
+        self._run(self.client.resume_memory())
+        self._run(self.client.resume())
+
+    def health(self) -> bool:
+        return self._lt.run(self.client.health())
+
+    def flush_cache(self) -> None:
+        self._run(self.client.flush_cache())
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        with self._resync_lock:
+            self._replay = (str(path), int(version))  # first: a server restarting right now gets this one
+        self._run(self.client.update_weights_from_disk(path, version))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Colocated CUDA IPC: one payload per engine TP rank, from that rank's GPU (see weight_transfer)."""
+        self._replay = None
+        weight_transfer.send_ipc(self, named_tensors, version)
+
+    def update_weights_from_distributed(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, group_name: str | None = None
+    ) -> None:
+        """Announce each bucket over HTTP while broadcasting its tensors from rank 0 of the group."""
+        self._replay = None
+        weight_transfer.broadcast(self, named_tensors, version, group_name)
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ):  # fmt: skip
+        """Join every server and this process (rank 0) in a side group for broadcasts; returns the group.
+
+        For pipeline parallelism, each PP stage's source rank makes its own engine client and group (own port
+        and group_name) and calls update_weights_from_distributed with that stage's tensors.
+        """
+        return weight_transfer.init_group(self, master_address, master_port, group_name, backend)
+
+    def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
+        self._run(self.client.update_weight_version(version, abort_all_requests))
+
+    def close(self) -> None:
+        try:
+            self._lt.run(self.client.close())
+        finally:
+            self._lt.stop()
+            if self._launcher is not None:
+                self._launcher.stop()
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
