@@ -87,9 +87,9 @@ def test_disk_transport_10_rounds_keeps_exactly_keep_versions(tmp_path, tiny_dir
     from mcore_rl.rollout.weight_sync.transports import SyncOptions, send_weights
 
     root = tmp_path / "sync"
-    (root / ".v00000007.tmp-abc").mkdir(parents=True)  # crashed writer
-    (root / ".v00000007.tmp-abc" / "shard-00000.safetensors").write_bytes(b"x" * 1000)
-    (root / ".v00000003.old-xyz").mkdir()
+    (root / "v00000007.tmp").mkdir(parents=True)  # crashed writer
+    (root / "v00000007.tmp" / "shard-00000.safetensors").write_bytes(b"x" * 1000)
+    (root / "v00000003.old").mkdir()
     (root / "notes").mkdir()  # not ours: left alone
     opts = SyncOptions(sync_dir=root, config_dir=tiny_dir, keep_versions=3)
     base = {k: v.detach().clone() for k, v in tiny_model.state_dict().items()}

@@ -1,7 +1,7 @@
 """Weight sync through the filesystem: HF-named tensors -> a safetensors folder an engine can load.
 
 Why atomic: an engine (or a person) that sees the folder must never see half of it. Shards are written into a
-hidden temp dir next to the target, fsynced, and the dir is renamed into place in one step.
+`<name>.tmp` folder next to the target and published by `mcore_rl.fsio` (fsync tree, rename, fsync parent).
 Why buckets: tensors stream in from the trainer's gather; holding a whole 70B state dict in RAM is not an option.
 """
 
@@ -11,13 +11,14 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from mcore_rl import fsio
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -34,20 +35,10 @@ SIDECAR_FILES = (
     "tokenizer.model",
 )
 _VERSION_DIR = re.compile(r"^v(\d+)$")
-_TEMP_DIR = re.compile(r"^\.v\d+\.(tmp|old)-")  # what write_hf_folder leaves behind when killed mid-write
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_shard(bucket: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(bucket, str(path), metadata={"format": "pt"})
-    _fsync(path)
+    save_file(bucket, str(path), metadata={"format": "pt"})  # fsio fsyncs the whole folder before its rename
 
 
 def write_hf_folder(
@@ -70,8 +61,7 @@ def write_hf_folder(
     if config_dir is not None and not (Path(config_dir) / "config.json").is_file():
         raise FileNotFoundError(f"config_dir {config_dir} has no config.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with fsio.atomic_dir(out, overwrite=overwrite) as tmp:
         limit = int(bucket_mb * 2**20)
         shards: list[tuple[Path, list[str]]] = []
         bucket: dict[str, torch.Tensor] = {}
@@ -102,10 +92,6 @@ def write_hf_folder(
                 src = Path(config_dir) / fname
                 if src.is_file():
                     shutil.copy2(src, tmp / fname)
-        _swap_into_place(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -120,18 +106,6 @@ def _finalize_names(tmp: Path, shards: list[tuple[Path, list[str]]], total: int)
         weight_map.update({n: final for n in names})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished temp dir into place (moving an old version aside first), then fsync the parent."""
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "x")
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    _fsync(out.parent)
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -180,16 +154,10 @@ def prune_versions(root: str | os.PathLike, keep: int) -> list[Path]:
     versions = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _VERSION_DIR.match(p.name)))
     doomed = [p for _, p in versions[: max(0, len(versions) - keep)]]
     for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+        fsio.remove_tree(p)  # renamed aside first: a crash never leaves a half-deleted v<N> that looks complete
     return doomed
 
 
 def remove_stale_temp(root: str | os.PathLike) -> list[Path]:
-    """Delete temp folders a killed writer left under root (each is a partial model copy); call before writing."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    stale = [p for p in root.iterdir() if p.is_dir() and _TEMP_DIR.match(p.name)]
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
-    return stale
+    """Delete `v<N>.tmp` / `v<N>.old` folders a killed writer left under root (each a partial model copy)."""
+    return fsio.sweep_stale(root, prefix="v")
