@@ -49,6 +49,7 @@ class SGLangClientConfig:
     retries: int = 3
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
+    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer` (SGLang --api-key)
 
     def __post_init__(self) -> None:
         self.worker_urls = [u.rstrip("/") for u in self.worker_urls]
@@ -76,8 +77,9 @@ class AsyncSGLangClient:
 
     async def _ensure(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.cfg.max_concurrency)
+                connector=aiohttp.TCPConnector(limit=self.cfg.max_concurrency), headers=headers
             )
             self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         return self._session
@@ -279,6 +281,7 @@ class SGLangEngine:
         nccl: dict | None = None,
         weight_version: int = 0,
         on_payload: Callable[[str, dict], None] | None = None,
+        api_key_file: str | None = None,
         **client_kwargs: Any,
     ) -> None:
         """`worker_urls` of running servers, or (when empty) `launcher` settings to start them here.
@@ -298,6 +301,8 @@ class SGLangEngine:
             self._launcher = ServerLauncher(LauncherConfig(**launch)).start()
             worker_urls, router_url = self._launcher.worker_urls, self._launcher.router_url
             tp_size = self._launcher.cfg.tp_size
+        if api_key_file:  # a file, never a config value: configs are logged and saved with the run
+            client_kwargs["api_key"] = read_api_key(api_key_file)
         self.cfg = SGLangClientConfig(
             worker_urls=list(worker_urls or []), router_url=router_url, **client_kwargs
         )
