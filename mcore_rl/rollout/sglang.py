@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from mcore_rl.api_key import read_api_key
 from mcore_rl.rollout import sglang_sync
 from mcore_rl.rollout.protocol import GenerationRequest, PauseMode, Sample, expand_requests, register_engine
 from mcore_rl.rollout.sglang_api import check_payload, generate_payload, init_group_payload, parse_sample
