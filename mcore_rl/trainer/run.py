@@ -87,6 +87,9 @@ class Run:
             name = rc.pop("engine", "local")
             rc.pop("sync_mode", None), rc.pop("sync_dir", None)
             self.engine = build_engine(name, model_path=str(self.model_dir), seed=cfg.seed, **rc)
+            if rc.get("worker_urls"):
+                log.warning("rollout engine %s: /generate via %s; weight updates and control calls to %s", name,
+                            rc.get("router_url") or "the workers", ", ".join(rc["worker_urls"]))
             self.reward_fn = build_reward(OmegaConf.to_container(cfg.reward, resolve=True))
         self.logger = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                     config=OmegaConf.to_container(cfg, resolve=True))
