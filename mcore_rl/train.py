@@ -15,7 +15,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hydra_conf")
+
+def config_dir() -> str:
+    """The packaged configs (`mcore_rl/hydra_conf` in a wheel) or, in a source checkout, the repo's hydra_conf/.
+    Users add their own config folders through Hydra's search path: `hydra.searchpath=[file:///my/confs]`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "hydra_conf"), os.path.join(os.path.dirname(here), "hydra_conf")):
+        if os.path.isfile(os.path.join(path, "config.yaml")):
+            return path
+    raise SystemExit(f"mcore-rl: no hydra_conf/config.yaml next to {here}; reinstall the package")
+
+
+CONFIG_DIR = config_dir()
 
 
 def run_training(cfg: DictConfig) -> dict:
