@@ -47,8 +47,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
+        import signal
+
         from mcore_rl.distributed import destroy_distributed
 
+        # The run is over: a late preemption USR1 must not turn a clean exit into death by signal (Python puts
+        # SIG_DFL back for handled signals while it shuts down).
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         destroy_distributed()
 
 

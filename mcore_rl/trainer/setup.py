@@ -134,6 +134,9 @@ class StopFlag:
         def handler(signum: int, frame: Any) -> None:
             self.requested = True
             self.signals.append(signum)
+            # The flag is set; train.sbatch re-sends USR1 until we exit. Ignore the repeats: Python restores
+            # SIG_DFL for handled signals at interpreter shutdown, and a repeat then would kill a clean exit.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, handler)

@@ -76,9 +76,11 @@ def test_requeue_cap(slurm: LocalSlurm, tmp_path):
 def test_no_progress_is_not_requeued(slurm: LocalSlurm, tmp_path):
     """The REAL trainer stopped before its first update (time limit 2 min, stop lead 110 s: the stop comes while
     it starts up) is not requeued: requeueing it would repeat the same attempt forever."""
-    env = {"MCORE_RL_STOP_LEAD_S": "110", "MCORE_RL_SIGNAL_RESEND_S": "3"}
+    env = {"MCORE_RL_STOP_LEAD_S": "110", "MCORE_RL_SIGNAL_RESEND_S": "1"}
     t0 = time.monotonic()
-    job = slurm.sbatch(tmp_path, *REAL_FAST, "trainer.steps=5", env=env, options=("--time=2",))
+    # a first round of generation far longer than the 1 s re-send interval: the stop lands before update 1
+    job = slurm.sbatch(tmp_path, *REAL_FAST, "trainer.steps=5", "trainer.max_new_tokens=400", env=env,
+                       options=("--time=2",))
     info = slurm.wait(job, timeout=240)
     print(f"no-progress job took {time.monotonic() - t0:.0f}s")
     log = slurm.log(info)
