@@ -1,7 +1,7 @@
 """The package works from a wheel, not only from an editable checkout: configs ship as package data.
 
-Builds the wheel, installs it into a fresh venv (reusing the machine's torch/megatron through
---system-site-packages, no network), and runs `mcore-rl-train model=... trainer.steps=2` from an unrelated
+Builds the wheel, installs it into a fresh venv (reusing this interpreter's torch/megatron through a .pth
+line, no network), and runs `mcore-rl-train model=... trainer.steps=2` from an unrelated
 directory without PYTHONPATH, with the model config coming from the user's own folder via Hydra's search path.
 """
 
@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 import zipfile
 from pathlib import Path
@@ -45,7 +46,12 @@ def test_wheel_install_trains_from_another_directory(tmp_path):
     assert in_repo and in_repo <= shipped, sorted(in_repo - shipped)
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], env, tmp_path)
+    _run([sys.executable, "-m", "venv", str(venv)], env, tmp_path)
+    # reuse this interpreter's torch/megatron (no download): its site-packages go on the venv's path after the
+    # venv's own, and without processing their .pth files (so no editable mcore_rl finder from a checkout)
+    (site,) = (venv / "lib").glob("python3.*/site-packages")
+    outer = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    (site / "_outer_env.pth").write_text("".join(f"{p}\n" for p in sorted(outer)))
     _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], env, tmp_path)
     where = _run([str(venv / "bin" / "python"), "-c", "import mcore_rl; print(mcore_rl.__file__)"], env, tmp_path)
     assert where.stdout.strip().startswith(str(venv)), where.stdout  # the wheel, not the checkout
