@@ -50,7 +50,8 @@ def check_key_and_binding(run_dir: Path, log: str, port: int) -> None:
     assert len(key) >= 32
     for text in [log, (run_dir / "config.yaml").read_text(), *(p.read_text() for p in (run_dir / "logs").glob("*.log"))]:
         assert key not in text  # never on a command line, in a log or in the saved config
-    server_log = (run_dir / "logs" / "sglang-node2.log").read_text()
+    (server_log_file,) = (run_dir / "logs").glob("sglang-server-*.log")  # %N: the node's host name
+    server_log = server_log_file.read_text()
     assert f"http://127.0.0.2:{port}" in server_log  # bound to node2's cluster address, not 0.0.0.0
 
 
@@ -124,6 +125,7 @@ def test_sglang_job_preempted_resumes_and_resyncs(slurm: LocalSlurm, tmp_path):
     first_after = metrics[resumed_at]
     assert first_after["weight_version"] == resumed_at and first_after["staleness_max"] == 0.0
     assert [m["staleness_max"] for m in metrics] == [0.0] * steps
-    server_log = (run_dir / "logs" / "sglang-node2.log").read_text()
+    (server_log_file,) = (run_dir / "logs").glob("sglang-server-*.log")  # %N: the node's host name
+    server_log = server_log_file.read_text()
     assert server_log.count(f"mcore-rl-serve: http://127.0.0.2:{port}") == 2  # restarted for the new attempt
     assert worker_versions(log) == {f"http://127.0.0.2:{port}": steps}
