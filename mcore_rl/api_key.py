@@ -4,7 +4,8 @@ Why: SGLang (`--api-key`) and sglang-router (`--api-key`) take the key as an arg
 node can read every process's arguments (`ps`, /proc/<pid>/cmdline). The key lives in a mode-600 file
 instead; `python -m mcore_rl.api_key --api-key-file F -- <program> [args]` starts a Python program in this
 process with `--api-key <key>` appended to *its* argv (sys.argv), so /proc shows only the file's path.
-The trainer's client reads the same file (rollout.api_key_file) and sends `Authorization: Bearer <key>`.
+The trainer's client reads the same file (rollout.api_key_file) and sends `Authorization: Bearer <key>`;
+`/health` stays open without it (SGLang, sglang-router and mcore-rl-serve alike), so health checks need none.
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ import secrets
 import stat
 import sys
 from pathlib import Path
-
-# What SGLang lets through without a key (k8s probes, Prometheus): sglang/srt/utils/auth.py.
-OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
-
 
 class ApiKeyError(ValueError):
     """A missing, empty or too-widely readable key file (one line naming the file)."""
@@ -48,10 +45,6 @@ def read_api_key(path: str | Path) -> str:
     if not key or any(c.isspace() for c in key):
         raise ApiKeyError(f"api key file {path} is empty or holds more than one word")
     return key
-
-
-def key_required(path: str) -> bool:
-    return not path.startswith(OPEN_PATH_PREFIXES)
 
 
 def _console_script(name: str):

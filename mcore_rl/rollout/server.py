@@ -213,30 +213,8 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response({"error": {"message": str(exc)}}, status=400)
 
 
-def bearer_auth(api_key: str):
-    """Like SGLang's --api-key: every endpoint but /health*, /ready, /metrics needs `Authorization: Bearer`."""
-    import secrets
-
-    from mcore_rl.api_key import key_required
-
-    expected = f"Bearer {api_key}"
-
-    @web.middleware
-    async def auth(request: web.Request, handler) -> web.StreamResponse:
-        if key_required(request.path) and not secrets.compare_digest(
-            request.headers.get("Authorization", ""), expected
-        ):
-            return web.json_response({"error": {"message": "missing or wrong API key"}}, status=401)
-        return await handler(request)
-
-    return auth
-
-
-def build_app(
-    engine: LocalEngine, info: dict[str, Any], close_engine: bool = True, api_key: str | None = None
-) -> web.Application:
-    middlewares = [bearer_auth(api_key), errors] if api_key else [errors]
-    app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
+def build_app(engine: LocalEngine, info: dict[str, Any], close_engine: bool = True) -> web.Application:
+    app = web.Application(middlewares=[errors], client_max_size=1 << 30)
     app[ENGINE], app[INFO] = engine, info
     post = {
         "/generate": generate,
@@ -287,8 +265,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` (as SGLang does); "
-                   "pass it with `python -m mcore_rl.api_key --api-key-file F -- mcore-rl-serve ...`")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -303,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     }  # fmt: skip
     log.info("mcore-rl-serve: http://%s:%d  model=%s", args.host, args.port, args.model_path)
     web.run_app(
-        build_app(engine, info, api_key=args.api_key), host=args.host, port=args.port, print=None, handler_cancellation=True
+        build_app(engine, info), host=args.host, port=args.port, print=None, handler_cancellation=True
     )
 
 

@@ -25,7 +25,6 @@ from typing import Any
 import aiohttp
 import torch
 
-from mcore_rl.api_key import read_api_key
 from mcore_rl.rollout import sglang_sync
 from mcore_rl.rollout.protocol import GenerationRequest, PauseMode, Sample, expand_requests, register_engine
 from mcore_rl.rollout.sglang_api import check_payload, generate_payload, init_group_payload, parse_sample
@@ -50,7 +49,6 @@ class SGLangClientConfig:
     retries: int = 3
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
-    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer` (SGLang --api-key)
 
     def __post_init__(self) -> None:
         self.worker_urls = [u.rstrip("/") for u in self.worker_urls]
@@ -78,9 +76,8 @@ class AsyncSGLangClient:
 
     async def _ensure(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.cfg.max_concurrency), headers=headers
+                connector=aiohttp.TCPConnector(limit=self.cfg.max_concurrency)
             )
             self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         return self._session
@@ -282,7 +279,6 @@ class SGLangEngine:
         nccl: dict | None = None,
         weight_version: int = 0,
         on_payload: Callable[[str, dict], None] | None = None,
-        api_key_file: str | None = None,
         **client_kwargs: Any,
     ) -> None:
         """`worker_urls` of running servers, or (when empty) `launcher` settings to start them here.
@@ -302,8 +298,6 @@ class SGLangEngine:
             self._launcher = ServerLauncher(LauncherConfig(**launch)).start()
             worker_urls, router_url = self._launcher.worker_urls, self._launcher.router_url
             tp_size = self._launcher.cfg.tp_size
-        if api_key_file:  # a file, never a config value: configs are logged and saved with the run
-            client_kwargs["api_key"] = read_api_key(api_key_file)
         self.cfg = SGLangClientConfig(
             worker_urls=list(worker_urls or []), router_url=router_url, **client_kwargs
         )
