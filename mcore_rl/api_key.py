@@ -18,6 +18,7 @@ import stat
 import sys
 from pathlib import Path
 
+
 class ApiKeyError(ValueError):
     """A missing, empty or too-widely readable key file (one line naming the file)."""
 
