@@ -78,8 +78,8 @@ def test_no_progress_is_not_requeued(slurm: LocalSlurm, tmp_path):
     it starts up) is not requeued: requeueing it would repeat the same attempt forever."""
     env = {"MCORE_RL_STOP_LEAD_S": "110", "MCORE_RL_SIGNAL_RESEND_S": "1"}
     t0 = time.monotonic()
-    # a first round of generation far longer than the 1 s re-send interval: the stop lands before update 1
-    job = slurm.sbatch(tmp_path, *REAL_FAST, "trainer.steps=5", "trainer.max_new_tokens=400", env=env,
+    # a first round of generation (~5 s) far longer than the 1 s re-send interval: the stop lands before update 1
+    job = slurm.sbatch(tmp_path, *REAL_FAST, "trainer.steps=5", "trainer.max_new_tokens=1500", env=env,
                        options=("--time=2",))
     info = slurm.wait(job, timeout=240)
     print(f"no-progress job took {time.monotonic() - t0:.0f}s")
