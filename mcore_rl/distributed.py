@@ -1,4 +1,10 @@
-"""Process groups: torchrun env -> torch.distributed (nccl on GPU, gloo on CPU) -> Megatron parallel_state."""
+"""Process groups: torchrun env -> torch.distributed (nccl on GPU, gloo on CPU) -> Megatron parallel_state.
+
+The ONE place that knows which backend runs and where collective tensors must live. NCCL only moves CUDA
+tensors, gloo only CPU ones, so callers never pick a device themselves: small control values (the stop flag,
+PP-broadcast decisions, DP sums) go through the helpers below, which put them on `collective_device()` for
+model-parallel groups and use a gloo world group (`cpu_group()`) for flags that live on the host.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,46 @@ class ParallelLayout:
     dp: int
     device: torch.device
     backend: str
+
+
+_STATE: dict[str, object] = {"device": torch.device("cpu"), "cpu_group": None}
+
+
+def collective_device() -> torch.device:
+    """Where tensors for collectives on the default backend (and Megatron's groups) must live."""
+    return _STATE["device"]  # type: ignore[return-value]
+
+
+def cpu_group():
+    """A gloo group over the whole world for host-side values (None = the default group, already gloo)."""
+    return _STATE["cpu_group"]
+
+
+def all_ranks_any(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank (a MAX all-reduce over the gloo world group)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
+    return bool(t.item())
+
+
+def broadcast_floats(values: list[float], src: int, group=None) -> list[float]:
+    """Broadcast a few floats from global rank `src` within `group` (a Megatron group on the main backend)."""
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.broadcast(t, src=src, group=group)
+    return t.tolist()
+
+
+def sum_reducer(group=None):
+    """SUM all-reduce over `group` that accepts tensors on any device and returns them on the caller's device."""
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        out = x.detach().to(collective_device(), copy=True)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out.to(x.device)
+
+    return reduce
 
 
 def global_rank() -> int:
@@ -61,6 +107,10 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int 
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             dist.init_process_group(backend=backend, world_size=world, rank=rank, timeout=timeout)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    _STATE["device"] = device
+    # host-side flags need a gloo group when the default backend is NCCL; with gloo, WORLD already is one
+    _STATE["cpu_group"] = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -68,7 +118,6 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int 
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     return ParallelLayout(world, rank, local_rank, tp, pp, world // (tp * pp), device, backend)
 
 
@@ -79,3 +128,4 @@ def destroy_distributed() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _STATE.update(device=torch.device("cpu"), cpu_group=None)

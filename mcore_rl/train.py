@@ -15,7 +15,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hydra_conf")
+
+def config_dir() -> str:
+    """The packaged configs (`mcore_rl/hydra_conf` in a wheel) or, in a source checkout, the repo's hydra_conf/.
+    Users add their own config folders through Hydra's search path: `hydra.searchpath=[file:///my/confs]`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "hydra_conf"), os.path.join(os.path.dirname(here), "hydra_conf")):
+        if os.path.isfile(os.path.join(path, "config.yaml")):
+            return path
+    raise SystemExit(f"mcore-rl: no hydra_conf/config.yaml next to {here}; reinstall the package")
+
+
+CONFIG_DIR = config_dir()
 
 
 def run_training(cfg: DictConfig) -> dict:
@@ -44,8 +55,13 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(f"rollout engine failed: {e}", file=sys.stderr)
         sys.exit(3)
     finally:
+        import signal
+
         from mcore_rl.distributed import destroy_distributed
 
+        # The run is over: a late preemption USR1 must not turn a clean exit into death by signal (Python puts
+        # SIG_DFL back for handled signals while it shuts down).
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         destroy_distributed()
 
 

@@ -31,7 +31,10 @@ def train(run) -> dict[str, float]:
         times: dict[str, float] = {}
         n_up = min(run.updates_per_round, steps - run.update)
         with timed(times, "time_generate"):
-            samples, prompts = run.generate(n_up)  # rank 0 generates; every rank receives the samples
+            generated = run.generate(n_up)  # rank 0 generates; every rank receives the samples
+        if generated is None:  # a stop signal aborted the round: drop it, checkpoint and stop (run.finish)
+            break
+        samples, prompts = generated
         with timed(times, "time_reward"):
             rb, rollout_metrics = run.score(samples, prompts)
         adv = alg.advantages(rb.rewards, rb.group_ids, lengths=rb.response_len)

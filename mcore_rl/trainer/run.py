@@ -3,6 +3,7 @@ every rank owns its policy shard. Samples travel from rank 0 to all ranks by bro
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -93,6 +94,9 @@ class Run:
             if self.staged and isinstance(rc.get("launcher"), dict):  # SGLang releases memory only with a saver
                 rc["launcher"]["memory_saver"] = True
             self.engine = build_engine(name, model_path=str(self.model_dir), seed=cfg.seed, **rc)
+            if rc.get("worker_urls"):
+                log.warning("rollout engine %s: /generate via %s; weight updates and control calls to %s", name,
+                            rc.get("router_url") or "the workers", ", ".join(rc["worker_urls"]))
             self.reward_fn = build_reward(OmegaConf.to_container(cfg.reward, resolve=True))
         self.logger = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                     config=OmegaConf.to_container(cfg, resolve=True))
@@ -171,21 +175,56 @@ class Run:
         return reqs, prompts
 
     def generate(self, num_updates: int):
-        """Rank 0 samples `num_updates * prompts_per_update` prompts x G; all ranks get (samples, prompts)."""
+        """Rank 0 samples `num_updates * prompts_per_update` prompts x G; all ranks get (samples, prompts).
+
+        A stop signal (Slurm preemption) that lands during generation aborts the in-flight requests and drops
+        the partial round: every rank gets None, the data cursor goes back to where the round began (the
+        resumed run regenerates it), and the loop checkpoints at once instead of waiting for a long round.
+        """
         payload = None
-        if self.rank == 0 and not self.async_k:
-            reqs, prompts = self._requests(num_updates, self.round)
-            payload = (self.engine.generate(reqs), prompts)
-        elif self.rank == 0:
-            submitted = self.round + len(self._pending)
-            while len(self._pending) < self.async_k + 1:
-                reqs, prompts = self._requests(num_updates, submitted)
-                self._pending.append((self.engine.submit(reqs), prompts))
-                submitted += 1
-            futures, prompts = self._pending.popleft()
-            payload = ([f.result() for f in futures], prompts)
-        self.round += 1
-        return _broadcast(payload)
+        if self.rank == 0:
+            if not self.async_k:
+                self._pending.append(self._submit(num_updates, self.round))
+            else:
+                submitted = self.round + len(self._pending)
+                while len(self._pending) < self.async_k + 1:
+                    self._pending.append(self._submit(num_updates, submitted))
+                    submitted += 1
+            futures, prompts, _ = self._pending[0]
+            samples = self._wait_or_stop(futures)
+            if samples is not None:
+                self._pending.popleft()
+                payload = (samples, prompts)
+            else:
+                self._drop_pending()
+        payload = _broadcast(payload)
+        if payload is not None:
+            self.round += 1
+        return payload
+
+    def _submit(self, num_updates: int, round_index: int):
+        data_state = copy.deepcopy(self.data.state_dict())  # where this round's prompts begin, for a dropped round
+        reqs, prompts = self._requests(num_updates, round_index)
+        return self.engine.submit(reqs), prompts, data_state
+
+    def _wait_or_stop(self, futures, poll_s: float = 0.2):
+        """The round's samples, or None when a stop signal arrived first (in-flight requests aborted)."""
+        from concurrent.futures import wait
+
+        pending = set(futures)
+        while pending:
+            if self.stop.requested:
+                return None
+            _, pending = wait(pending, timeout=poll_s)
+        return [f.result() for f in futures]
+
+    def _drop_pending(self) -> None:
+        """Abort every round in flight and rewind the data cursor to the oldest one's start."""
+        self.engine.abort(None)
+        self.data.load_state_dict(self._pending[0][2])
+        log.warning("stop requested during generation: aborted round %d (%d round(s) in flight)", self.round,
+                    len(self._pending))
+        self._pending.clear()
 
     def score(self, samples, prompts):
         G = self.cfg.trainer.samples_per_prompt
@@ -303,7 +342,8 @@ class Run:
     def _trainer_state(self) -> dict:
         st = {"update": self.update, "round": self.round, "version": self.version, "next_eval": self.next_eval}
         if self.rank == 0:
-            st["data"] = self.data.state_dict()
+            # async rounds generated ahead are regenerated after a resume: the cursor before the oldest one
+            st["data"] = self._pending[0][2] if self._pending else self.data.state_dict()
             st["algorithm"] = self.algorithm.state_dict()
             st["compute"] = self.compute.state_dict()
         return st

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl.algorithms import build_algorithm
+from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
 from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_parallel
 from mcore_rl.policy.build import OptimConfig
@@ -135,14 +135,13 @@ class StopFlag:
         def handler(signum: int, frame: Any) -> None:
             self.requested = True
             self.signals.append(signum)
+            # The flag is set; train.sbatch re-sends USR1 until we exit. Ignore the repeats: Python restores
+            # SIG_DFL for handled signals at interpreter shutdown, and a repeat then would kill a clean exit.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, handler)
 
     def agreed(self) -> bool:
         """All ranks stop together if any rank was signalled."""
-        if not dist.is_initialized():
-            return self.requested
-        t = torch.tensor([1.0 if self.requested else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return all_ranks_any(self.requested)

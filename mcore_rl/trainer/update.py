@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.agreement import FatalRunError, any_rank
-from mcore_rl.algorithms import Algorithm, TokenBatch, make_dist_reducer
+from mcore_rl.algorithms import Algorithm, TokenBatch
+from mcore_rl.distributed import broadcast_floats, sum_reducer
 from mcore_rl.trainer.rollout_batch import RolloutBatch
 
 log = logging.getLogger("mcore_rl")
@@ -30,7 +31,7 @@ log = logging.getLogger("mcore_rl")
 def dp_reducer():
     from megatron.core import parallel_state as ps
 
-    return make_dist_reducer(ps.get_data_parallel_group())
+    return sum_reducer(ps.get_data_parallel_group())
 
 
 def _broadcast_from_last_stage(values: list[float]) -> list[float]:
@@ -38,11 +39,8 @@ def _broadcast_from_last_stage(values: list[float]) -> list[float]:
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
-    ranks = ps.get_pipeline_model_parallel_group().size()
-    src = torch.distributed.get_global_rank(ps.get_pipeline_model_parallel_group(), ranks - 1)
-    dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
-    return t.tolist()
+    group = ps.get_pipeline_model_parallel_group()
+    return broadcast_floats(values, src=dist.get_global_rank(group, group.size() - 1), group=group)
 
 
 ADDITIVE = ("loss", "pg_loss")  # micro-batch losses are pre-normalised terms of one sum

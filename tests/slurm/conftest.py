@@ -21,11 +21,11 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL_CLUSTER = REPO / "slurm" / "local_cluster.sh"
 TRAIN_SBATCH = REPO / "slurm" / "train.sbatch"
 FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
-FAKE_SGLANG = Path(__file__).with_name("fake_sglang.py")
 # Small batches for the real trainer (`model=tiny`): integration, not learning; ~25 s instead of ~60 s.
 REAL_FAST = [
     "model=tiny", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8",
     "eval.num_prompts=2", "eval.samples_per_prompt=2", "eval.max_new_tokens=8", "trainer.export_hf=false",
+    "logging.progress=false", "logging.plot=false",
 ]
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE"}
@@ -70,10 +70,11 @@ class LocalSlurm:
             raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr}")
         return proc
 
-    def sbatch(self, workdir: Path, *args: str, env: dict[str, str] | None = None, nodes: int = 1) -> str:
+    def sbatch(self, workdir: Path, *args: str, env: dict[str, str] | None = None, nodes: int = 1,
+               options: tuple[str, ...] = ()) -> str:
         """Submit train.sbatch from `workdir` (its run dirs go to workdir/runs); returns the job id."""
         job_env = {**self.env, "MCORE_RL_RDZV_PORT": str(free_port()), **(env or {})}
-        proc = self.run("sbatch", "--parsable", f"--nodes={nodes}", f"--output={workdir}/%x-%j.out",
+        proc = self.run("sbatch", "--parsable", f"--nodes={nodes}", f"--output={workdir}/%x-%j.out", *options,
                         str(TRAIN_SBATCH), *args, env=job_env, cwd=workdir)
         return proc.stdout.strip().split(";")[0]
 

@@ -7,9 +7,8 @@ Megatron. This script keeps the parts train.sbatch relies on:
   * one JSON line per step in run.dir/metrics.jsonl with key "step" (rank 0 only);
   * on SIGUSR1/SIGTERM: finish the step, checkpoint, write run.dir/PREEMPTED, exit 0;
   * on a normal finish: checkpoint, remove PREEMPTED, exit 0.
-Extra keys for the tests: `fake.step_s` (seconds per step), `fake.dist=true` (gloo all-reduce across the
-torchrun world, to prove the rendezvous), `rollout.sglang_urls=[...]` (GET /health on each, recorded).
-Every rank appends what it saw to run.dir/ranks.jsonl, so tests can check the launch layout.
+Extra key for the tests: `fake.step_s` (seconds per step). Every rank appends what it saw to
+run.dir/ranks.jsonl. Only signal-plumbing tests use it; every contract test runs the real trainer.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import signal
 import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 _stop = {"signal": 0}
@@ -41,11 +39,6 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def parse_list(value: str) -> list[str]:
-    inner = value.strip().removeprefix("[").removesuffix("]")
-    return [v.strip().strip("'\"") for v in inner.split(",") if v.strip()]
-
-
 def read_latest(ckpt_dir: Path) -> int:
     latest = ckpt_dir / "latest"
     if not latest.exists():
@@ -62,25 +55,6 @@ def save_checkpoint(ckpt_dir: Path, step: int) -> None:
     tmp = ckpt_dir / "latest.tmp"
     tmp.write_text(name)
     tmp.replace(ckpt_dir / "latest")
-
-
-def all_reduce_ranks(rank: int) -> float:
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)
-    dist.destroy_process_group()
-    return float(t.item())
-
-
-def check_health(urls: list[str]) -> dict[str, int]:
-    status = {}
-    for url in urls:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as resp:
-            status[url] = resp.status
-    return status
 
 
 def main() -> int:
@@ -105,13 +79,6 @@ def main() -> int:
         "start_step": start,
         "argv": sys.argv[1:],
     }
-    if cfg.get("fake.dist") == "true":
-        seen["all_reduce"] = all_reduce_ranks(rank)
-    if "rollout.sglang_urls" in cfg:
-        seen["sglang_urls"] = parse_list(cfg["rollout.sglang_urls"])
-        seen["health"] = check_health(seen["sglang_urls"])
-        seen["env_router"] = os.environ.get("MCORE_RL_SGLANG_ROUTER_URL")
-        seen["env_workers"] = os.environ.get("MCORE_RL_SGLANG_WORKER_URLS")
     with open(run_dir / "ranks.jsonl", "a") as f:
         f.write(json.dumps(seen) + "\n")
 

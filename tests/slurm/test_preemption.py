@@ -8,7 +8,7 @@ importing (its own version of this test is marked slow).
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import time
 from pathlib import Path
 
@@ -60,9 +60,39 @@ def test_preempted_jobs_resume_where_they_stopped(slurm: LocalSlurm, tmp_path):
         assert requeued_itself == (how == "usr1"), how  # after TERM the script leaves requeueing to Slurm
 
 
+def test_requeue_cap(slurm: LocalSlurm, tmp_path):
+    """MCORE_RL_MAX_REQUEUES=0: a preempted job checkpoints but is not requeued; it fails with exit 3."""
+    env = {"MCORE_RL_TRAIN_CMD": str(FAKE_TRAINER), "MCORE_RL_MAX_REQUEUES": "0"}
+    job = slurm.sbatch(tmp_path, f"trainer.steps={STEPS}", "fake.step_s=0.4", env=env)
+    run_dir = tmp_path / "runs" / f"mcore-rl-{job}"
+    wait_for_steps(run_dir / "metrics.jsonl", 2, timeout=90)
+    slurm.run("scancel", "--signal=USR1", "--batch", job)
+    info = slurm.wait(job, timeout=120)
+    assert outcome(info) == ("FAILED", "3:0", "0"), slurm.log(info)
+    assert "not requeueing: already requeued 0 times (MCORE_RL_MAX_REQUEUES=0)" in slurm.log(info)
+    assert (run_dir / "PREEMPTED").exists()  # the checkpoint is there for a manual resubmit
+
+
+def test_no_progress_is_not_requeued(slurm: LocalSlurm, tmp_path):
+    """The REAL trainer stopped before its first update (time limit 2 min, stop lead 110 s: the stop comes while
+    it starts up) is not requeued: requeueing it would repeat the same attempt forever."""
+    env = {"MCORE_RL_STOP_LEAD_S": "110", "MCORE_RL_SIGNAL_RESEND_S": "1"}
+    t0 = time.monotonic()
+    # a first round of generation (~5 s) far longer than the 1 s re-send interval: the stop lands before update 1
+    job = slurm.sbatch(tmp_path, *REAL_FAST, "trainer.steps=5", "trainer.max_new_tokens=1500", env=env,
+                       options=("--time=2",))
+    info = slurm.wait(job, timeout=240)
+    print(f"no-progress job took {time.monotonic() - t0:.0f}s")
+    log = slurm.log(info)
+    assert outcome(info) == ("FAILED", "3:0", "0"), log  # Restarts=0: never requeued
+    assert "the trainer is asked to stop in" in log and "time limit in 110s" in log
+    assert "not requeueing: no update since this attempt began (checkpoint at update 0)" in log
+    run_dir = tmp_path / "runs" / f"mcore-rl-{job}"
+    assert not (run_dir / "metrics.jsonl").exists() or not read_jsonl(run_dir / "metrics.jsonl")
+    assert json.loads((run_dir / "PREEMPTED").read_text())["update"] == 0
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("mcore_rl.train") is None,
-                    reason="mcore_rl.train is not importable yet (the real entry point)")
 def test_real_trainer_preempt_and_resume(slurm: LocalSlurm, tmp_path):
     """The real trainer honours the same contract: USR1 -> checkpoint + PREEMPTED + exit 0 -> resume."""
     steps = 30
