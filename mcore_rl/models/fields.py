@@ -36,7 +36,8 @@ class Field:
 
     def refusal(self, value: Any, hf: Mapping[str, Any]) -> str | None:
         if self.kind == "fixed" and value not in self.allowed:
-            return f"only {' or '.join(map(repr, self.allowed))} is implemented"
+            why = f" ({self.why})" if self.why else ""
+            return f"only {' or '.join(map(repr, self.allowed))} is implemented{why}"
         if self.check is not None:
             return self.check(value, hf)
         return None

@@ -51,7 +51,7 @@ class Run:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model_dir = resolve_model_dir(cfg)
         check_model_against_parallel(cfg, self.model_dir)
-        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed)
+        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed, ep=cfg.parallel.get("ep", 1))
         self.rank, self.dp = layout.rank, layout.dp
         from megatron.core import parallel_state as ps
 
