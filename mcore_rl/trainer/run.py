@@ -73,6 +73,7 @@ class Run:
             self.ref = Policy(self.model_dir, policy_config(cfg), trainable=False)
         self.ewma = None
         self._init_weights()
+        self._load_check()
         if self.algorithm.needs_prox_logp:
             from mcore_rl.algorithms import EwmaWeights
 
@@ -109,6 +110,18 @@ class Run:
                 pol._sync_main_params()
             else:
                 pol.load_hf(self.model_dir)
+
+    def _load_check(self) -> None:
+        """Megatron vs transformers logits right after the initial weights are loaded (convert/load_check.py)."""
+        from mcore_rl.convert.load_check import LoadCheckConfig, run_load_check
+        from mcore_rl.trainer.setup import ConfigError
+
+        lc = LoadCheckConfig(**(self.cfg.model.get("load_check") or {}))
+        res = run_load_check(self.policy, self.model_dir, lc)
+        log.warning(res.line(lc.tol))
+        if res.ran and not res.max_abs_diff <= lc.tol:
+            raise ConfigError(f"{res.line(lc.tol)}: the {self.policy.args.architecture} adapter's weight mapping "
+                              f"does not reproduce {self.model_dir}; refusing to train")
 
     @property
     def ckpt_root(self) -> Path:
