@@ -37,9 +37,10 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--save-init", action="store_true")
+    ap.add_argument("--aux-loss", type=float, default=0.0, help="MoE load-balancing loss weight")
     a = ap.parse_args()
     init_distributed(a.tp, a.pp, ep=a.ep)
-    cfg = PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep),
+    cfg = PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep, moe_aux_loss_coeff=a.aux_loss),
                        optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0), token_budget=48)
     policy = Policy(a.hf, cfg)
     if a.save_init:
@@ -65,7 +66,10 @@ def main() -> None:
     is_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dpr == 0
     if is_reporter:
         load = {k: v for k, v in stats.items() if k.startswith("moe_load")}
-        report = {"before": before * mask, "after": after * mask, "grad_norm": stats["grad_norm"], "load": load}
+        from mcore_rl.compat import moe as moe_compat
+
+        report = {"before": before * mask, "after": after * mask, "grad_norm": stats["grad_norm"], "load": load,
+                  "compat_hits": dict(moe_compat.HITS)}
         if engine is not None:
             report["engine_after"] = engine_logprobs(engine, batch.tokens) * mask
             report["engine_version"] = engine.weight_version

@@ -68,3 +68,17 @@ def test_expert_parallel_matches_ep1(layout, reference, moe_hf, tmp_path):
             assert abs(got["load"][k] - v) < 0.01, k
     if "engine_after" in got:
         _check_engine(got)
+    # the CPU/gloo sites of Megatron's MoE that compat/moe.py neutralises, as hit by the alltoall dispatcher
+    hits = got["compat_hits"]
+    assert hits.get("maybe_move_tensor_to_cpu(as_numpy) on a host tensor", 0) > 0
+    assert hits.get("token_dispatcher.d2h_event.synchronize", 0) > 0
+
+
+def test_aux_loss_changes_gradients_only(reference, moe_hf, tmp_path):
+    """model.moe.aux_loss_coeff > 0 adds Megatron's load-balancing loss: same forward, different gradient."""
+    ckpt, ref = reference
+    out = tmp_path / "aux.pt"
+    run_torchrun(1, WORKER, "--hf", str(moe_hf), "--ckpt", str(ckpt), "--aux-loss", "0.5", "--out", str(out))
+    got = torch.load(out, weights_only=True)
+    assert torch.equal(got["before"], ref["before"])
+    assert abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"] > 1e-3
