@@ -17,7 +17,11 @@ from typing import Any
 from mcore_rl.models.base import ModelArgs
 
 
-def validate_moe_parallel(a: ModelArgs, tp: int, ep: int, world_size: int | None = None, pp: int = 1) -> None:
+def validate_moe_parallel(a: ModelArgs, tp: int, ep: int, world_size: int | None = None, pp: int = 1,
+                          sequence_parallel: bool | None = None) -> None:
+    """`sequence_parallel` is given for training builds: Megatron trains MoE with TP only under sequence
+    parallelism, and the local (CPU) layer spec's norm cannot run sequence-parallel, so TP x MoE training needs TE.
+    Conversion and verification are forward-only and run at any TP."""
     if ep < 1:
         raise ValueError(f"parallel.ep={ep} must be >= 1")
     if a.moe is None:
@@ -26,6 +30,10 @@ def validate_moe_parallel(a: ModelArgs, tp: int, ep: int, world_size: int | None
         return
     if a.moe.num_experts % ep:
         raise ValueError(f"parallel.ep={ep} does not divide num_experts={a.moe.num_experts}")
+    if sequence_parallel is not None and tp > 1 and not sequence_parallel:
+        raise ValueError(f"parallel.tp={tp} with a Mixture-of-Experts model trains only with "
+                         "parallel.sequence_parallel=true (Megatron), which needs Transformer Engine; on CPU use "
+                         "parallel.tp=1 and parallel.ep for the experts")
     if world_size is not None and (world_size // pp) % ep:
         raise ValueError(f"parallel.ep={ep} does not divide the {world_size // pp} ranks of a pipeline stage")
 

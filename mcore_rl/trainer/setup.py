@@ -120,7 +120,8 @@ def check_model_against_parallel(cfg: DictConfig, model_dir: Path) -> None:
         args = family_for(hf).args(hf)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate_parallel(args, cfg.parallel.tp, cfg.parallel.pp, world)
-        validate_moe_parallel(args, cfg.parallel.tp, cfg.parallel.get("ep", 1), world, cfg.parallel.pp)
+        validate_moe_parallel(args, cfg.parallel.tp, cfg.parallel.get("ep", 1), world, cfg.parallel.pp,
+                              sequence_parallel=bool(cfg.parallel.sequence_parallel))
         resolve_impl(build_config(cfg))
     except (ValueError, RuntimeError) as e:
         raise ConfigError(str(e)) from None
