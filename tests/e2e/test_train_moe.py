@@ -73,11 +73,18 @@ BROKEN = textwrap.dedent("""
 """)
 
 
-def test_load_check_catches_broken_mapping(tmp_path):
-    base = [sys.executable, "-c", BROKEN, *FAST, "eval.num_prompts=0", "trainer.export_hf=false"]
-    off = run([*base, "trainer.steps=0", "model.load_check.enabled=false", f"run.dir={tmp_path / 'off'}"])
+BROKEN_BASE = [sys.executable, "-c", BROKEN, *FAST, "eval.num_prompts=0", "trainer.export_hf=false"]
+
+
+@pytest.mark.slow  # ~20 s quiet
+def test_load_check_can_be_turned_off(tmp_path):
+    off = run([*BROKEN_BASE, "trainer.steps=0", "model.load_check.enabled=false", f"run.dir={tmp_path}"])
     assert off.returncode == 0, off.stderr[-3000:]
     assert "load check skipped: model.load_check.enabled=false" in off.stderr
+
+
+def test_load_check_catches_broken_mapping(tmp_path):
+    base = BROKEN_BASE
     on = run([*base, "model.load_check.tol=1e-3", f"run.dir={tmp_path / 'on'}"])
     assert on.returncode == 2, on.stderr[-3000:]
     last = on.stderr.strip().splitlines()[-1]

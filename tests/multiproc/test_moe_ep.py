@@ -74,6 +74,7 @@ def test_expert_parallel_matches_ep1(layout, reference, moe_hf, tmp_path):
     assert hits.get("token_dispatcher.d2h_event.synchronize", 0) > 0
 
 
+@pytest.mark.slow  # ~15 s quiet, one more torchrun launch
 def test_aux_loss_changes_gradients_only(reference, moe_hf, tmp_path):
     """model.moe.aux_loss_coeff > 0 adds Megatron's load-balancing loss: same forward, different gradient."""
     ckpt, ref = reference
