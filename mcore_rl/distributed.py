@@ -34,7 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int = 600, ep: int = 1) -> ParallelLayout:
+def init_distributed(
+    tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int = 600, ep: int = 1
+) -> ParallelLayout:
     """Initialise torch.distributed from torchrun's env (or a 1-process default) and Megatron's groups.
 
     Runs the CPU shim first when CUDA is absent, so every later Megatron call sees CPU-safe behaviour.
