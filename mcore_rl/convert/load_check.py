@@ -47,10 +47,12 @@ def _mode(value) -> str:
     return mode
 
 
-def should_run(cfg: LoadCheckConfig, num_params: int, dtype: str) -> tuple[bool, str]:
+def should_run(cfg: LoadCheckConfig, num_params: int, dtype: str, from_hf: bool = True) -> tuple[bool, str]:
     mode = _mode(cfg.enabled)
     if mode == "false":
         return False, "model.load_check.enabled=false"
+    if mode == "auto" and not from_hf:
+        return False, "auto: the weights come from model.mcore_ckpt, which may legitimately differ from the HF folder"
     if dtype != "fp32":
         return False, f"model.dtype={dtype} (only fp32 logits are compared)"
     if mode == "auto":
@@ -63,7 +65,7 @@ def should_run(cfg: LoadCheckConfig, num_params: int, dtype: str) -> tuple[bool,
     return True, ""
 
 
-def run_load_check(policy, model_dir: str | Path, cfg: LoadCheckConfig) -> LoadCheckResult:
+def run_load_check(policy, model_dir: str | Path, cfg: LoadCheckConfig, from_hf: bool = True) -> LoadCheckResult:
     """Collective over all ranks. Returns the result on every rank (the max difference is all-reduced)."""
     from megatron.core import parallel_state as ps
 
@@ -74,7 +76,7 @@ def run_load_check(policy, model_dir: str | Path, cfg: LoadCheckConfig) -> LoadC
     total = torch.tensor([float(n_local)])
     if dist.is_initialized():
         dist.all_reduce(total)
-    ok, reason = should_run(cfg, int(total.item()), policy.cfg.build.dtype)
+    ok, reason = should_run(cfg, int(total.item()), policy.cfg.build.dtype, from_hf)
     if not ok:
         return LoadCheckResult(False, reason)
     tokens, _ = prompt_tokens(Path(model_dir), policy.args.vocab_size)

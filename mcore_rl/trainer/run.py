@@ -117,7 +117,7 @@ class Run:
         from mcore_rl.trainer.setup import ConfigError
 
         lc = LoadCheckConfig(**(self.cfg.model.get("load_check") or {}))
-        res = run_load_check(self.policy, self.model_dir, lc)
+        res = run_load_check(self.policy, self.model_dir, lc, from_hf=not self.cfg.model.mcore_ckpt)
         log.warning(res.line(lc.tol))
         if res.ran and not res.max_abs_diff <= lc.tol:
             raise ConfigError(f"{res.line(lc.tol)}: the {self.policy.args.architecture} adapter's weight mapping "
