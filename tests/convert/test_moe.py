@@ -1,5 +1,5 @@
 """Tiny random Qwen3-MoE (4 layers, 8 experts, top-2): HF -> Megatron written by EP=2 ranks, logits equal
-transformers' at other TP/PP/EP layouts (4-rank layouts are slow: ~1-2 min each on 2 cores), and Megatron -> HF is
+transformers' at other TP/PP/EP layouts (slow ones: ~20-50 s each on a quiet 2-core machine), and Megatron -> HF is
 bit-exact (every expert tensor)."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def test_tiny_moe_two_steps_single_process(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow  # ~60 s on a quiet 2-core machine
+@pytest.mark.slow  # ~20 s on a quiet 2-core machine
 def test_tiny_moe_two_steps_torchrun_ep2(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "mcore_rl.train", *FAST, "parallel=ep2", "model.load_check.enabled=true",
