@@ -80,7 +80,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int = 600) -> ParallelLayout:
+def init_distributed(
+    tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int = 600, ep: int = 1
+) -> ParallelLayout:
     """Initialise torch.distributed from torchrun's env (or a 1-process default) and Megatron's groups.
 
     Runs the CPU shim first when CUDA is absent, so every later Megatron call sees CPU-safe behaviour.
@@ -115,7 +117,9 @@ def init_distributed(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int 
     from megatron.core import tensor_parallel
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        # ep: expert-parallel ranks, carved out of data parallelism (MoE only; 1 for dense models)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return ParallelLayout(world, rank, local_rank, tp, pp, world // (tp * pp), device, backend)

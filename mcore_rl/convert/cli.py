@@ -25,6 +25,8 @@ class Command:
 def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (local processes)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (local processes)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (MoE models; runs tp*pp*ep local processes)")
 
 
 def _hf_to_mcore_args(p: argparse.ArgumentParser) -> None:
@@ -40,8 +42,8 @@ def _run_hf_to_mcore(a: argparse.Namespace) -> int:
     from mcore_rl.convert.hf_to_mcore import hf_to_mcore
 
     t0 = time.perf_counter()
-    out = hf_to_mcore(a.hf, a.out, a.tp, a.pp, a.dtype, a.force, progress=not a.quiet)
-    print(f"wrote {out} (tp={a.tp} pp={a.pp}, loads at any TP/PP) in {time.perf_counter() - t0:.2f}s")
+    out = hf_to_mcore(a.hf, a.out, a.tp, a.pp, a.dtype, a.force, progress=not a.quiet, ep=a.ep)
+    print(f"wrote {out} (tp={a.tp} pp={a.pp} ep={a.ep}, loads at any TP/PP/EP) in {time.perf_counter() - t0:.2f}s")
     return 0
 
 
@@ -77,8 +79,8 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
 def _run_verify(a: argparse.Namespace) -> int:
     from mcore_rl.convert.verify import verify
 
-    res = verify(a.hf, a.ckpt, a.tp, a.pp, a.prompt)
-    print(res.line(a.tol, a.tp, a.pp))
+    res = verify(a.hf, a.ckpt, a.tp, a.pp, a.prompt, ep=a.ep)
+    print(res.line(a.tol, a.tp, a.pp) + (f" ep={a.ep}" if a.ep > 1 else ""))
     return 0 if res.max_abs_diff <= a.tol else 1
 
 

@@ -41,6 +41,7 @@ class HfToMcoreJob:
     dtype: str  # fp32 | bf16 | fp16
     meta: dict[str, Any]
     progress: bool = True
+    ep: int = 1
 
 
 def load_hf_model_info(hf_dir: str | Path) -> tuple[dict[str, Any], ModelFamily, ModelArgs]:
@@ -51,9 +52,10 @@ def load_hf_model_info(hf_dir: str | Path) -> tuple[dict[str, Any], ModelFamily,
         raise ConvertError(str(e)) from e
     try:
         family = family_for(cfg)
+        args = family.args(cfg)  # refuses config fields the adapter does not map exactly
     except ValueError as e:
         raise ConvertError(f"{Path(hf_dir) / 'config.json'}: {e}") from e
-    return cfg, family, family.args(cfg)
+    return cfg, family, args
 
 
 def hf_tensor_dtype(reader: HFReader, name: str) -> torch.dtype:
@@ -75,9 +77,9 @@ def _convert_rank(job: HfToMcoreJob) -> None:
     from mcore_rl.distributed import init_distributed
     from mcore_rl.policy.hf_weights import load_full_tensors
 
-    layout = init_distributed(job.tp, job.pp)
+    layout = init_distributed(job.tp, job.pp, ep=job.ep)
     _, family, args = load_hf_model_info(job.hf_dir)
-    model = build_model(args, job.tp, job.pp, job.dtype)
+    model = build_model(args, job.tp, job.pp, job.dtype, job.ep)
     reader = HFReader(job.hf_dir)
     n_local = sum(1 for _ in model.parameters())
     bar = tqdm(total=n_local, unit="tensor", desc=f"hf-to-mcore (rank 0 of {layout.world_size})",
@@ -94,14 +96,16 @@ def _convert_rank(job: HfToMcoreJob) -> None:
 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str | None = None,
-                force: bool = False, progress: bool = True) -> Path:
+                force: bool = False, progress: bool = True, ep: int = 1) -> Path:
     """Convert; returns the checkpoint path. `dtype=None` keeps the HF weights' dtype."""
+    from mcore_rl.models.moe_spec import validate_moe_parallel
     from mcore_rl.models.spec import validate_parallel
 
     hf_dir = Path(hf_dir).absolute()
     cfg, family, args = load_hf_model_info(hf_dir)
     try:
         validate_parallel(args, tp, pp)
+        validate_moe_parallel(args, tp, ep)
         reader = HFReader(hf_dir)
     except (ValueError, FileNotFoundError) as e:
         raise ConvertError(str(e)) from e
@@ -121,12 +125,13 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, d
         "dtype": dtype_name(out_dtype),
         "saved_tp": tp,
         "saved_pp": pp,
+        "saved_ep": ep,
         "hf_config": cfg,
     }
     out = Path(out).absolute()
     with staged_output(out, force) as stage:
-        job = HfToMcoreJob(str(hf_dir), str(stage), tp, pp, dtype_name(out_dtype), meta, progress)
-        run_ranks(_convert_rank, job, tp * pp, scratch=scratch_path(stage))
+        job = HfToMcoreJob(str(hf_dir), str(stage), tp, pp, dtype_name(out_dtype), meta, progress, ep)
+        run_ranks(_convert_rank, job, tp * pp * ep, scratch=scratch_path(stage))  # EP ranks = data-parallel
         if not (stage / "complete.json").is_file():
             raise ConvertError(f"internal error: ranks finished but {stage} holds no complete checkpoint")
         (stage / HF_SUBDIR).mkdir()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from itertools import groupby
@@ -35,12 +36,16 @@ from mcore_rl.models.llama import te_name
 
 Box = tuple[str, tuple[int, ...], tuple[int, ...]]
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 
 
 def checkpoint_box(reader: DistCheckpointReader, args: ModelArgs, name: str) -> Box:
     """Where canonical tensor `name` lives in the checkpoint: (key, offsets, sizes), shapes checked."""
     layer, rest = split_layer(name)
     want = mcore_shape(args, name)
+    expert = _EXPERT.match(rest) if layer is not None else None
+    if expert:  # SequentialMLP experts are stored stacked over [layer, expert]
+        return _expert_box(reader, args, layer, int(expert.group(1)), expert.group(2), want)
     if layer is None:
         keys = [name]
     else:  # stacked over layers; local-spec layer norms are stored under Transformer Engine names
@@ -65,6 +70,43 @@ def checkpoint_box(reader: DistCheckpointReader, args: ModelArgs, name: str) -> 
     return key, (0,) * len(want), want
 
 
+def _expert_box(reader: DistCheckpointReader, args: ModelArgs, layer: int, e: int, suffix: str,
+                want: tuple[int, ...]) -> Box:
+    key = f"decoder.layers.mlp.experts.experts.{suffix}"
+    if key not in reader:
+        raise ConvertError(f"tensor {key} missing from checkpoint {reader.path} (expected for a MoE model)")
+    full = (args.num_layers, args.moe.num_experts, *want)
+    if reader.shapes[key] != full:
+        raise ConvertError(f"tensor {key}: checkpoint has shape {reader.shapes[key]}, config implies {full} "
+                           "(num_layers x num_experts x ...); is --hf-config the config of this checkpoint?")
+    return key, (layer, e, *([0] * len(want))), (1, 1, *want)
+
+
+def _read_group(reader: DistCheckpointReader, boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
+    """Read boxes in one pass; the experts of one layer share a checkpoint key, so they are read as one box
+    spanning the expert axis and sliced afterwards."""
+    by_key: dict[str, list[str]] = {}
+    for n, (key, _, _) in boxes.items():
+        by_key.setdefault(key, []).append(n)
+    request: dict[str, Box] = {}
+    for key, names in by_key.items():
+        if len(names) == 1:
+            request[names[0]] = boxes[names[0]]
+            continue
+        first = boxes[names[0]]
+        last_e = max(boxes[n][1][1] for n in names)
+        request[key] = (key, first[1], (1, last_e - first[1][1] + 1, *first[2][2:]))
+    loaded = reader.read(request)
+    out = {}
+    for n, (key, offsets, _) in boxes.items():
+        if n in loaded:
+            out[n] = loaded[n]
+        else:
+            start = request[key][1][1]
+            out[n] = loaded[key][:, offsets[1] - start: offsets[1] - start + 1]
+    return out
+
+
 def iter_hf_tensors(reader: DistCheckpointReader, family: ModelFamily, args: ModelArgs,
                     dtype: torch.dtype, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors, one layer's worth read at a time."""
@@ -75,11 +117,11 @@ def iter_hf_tensors(reader: DistCheckpointReader, family: ModelFamily, args: Mod
     with tqdm(total=len(names), unit="tensor", desc="mcore-to-hf", disable=not progress, file=sys.stderr) as bar:
         for _, group in groupby(names, key=lambda n: split_layer(n)[0] if split_layer(n)[0] is not None else n):
             group = list(group)
-            loaded = reader.read({n: boxes[n] for n in group})
+            loaded = _read_group(reader, {n: boxes[n] for n in group})
             for n in group:
                 full = loaded.pop(n)
                 if split_layer(n)[0] is not None:
-                    full = full[0]
+                    full = full.reshape(mcore_shape(args, n))  # drop the [layer(, expert)] box axes
                 for hf_name, t in family.to_hf(args, n, full):
                     yield hf_name, t.to(dtype).contiguous()
                 bar.update()

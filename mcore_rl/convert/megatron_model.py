@@ -49,13 +49,13 @@ def mark_tensor_parallel_weights(model) -> None:
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
-def build_model(args: ModelArgs, tp: int, pp: int, dtype: str):
+def build_model(args: ModelArgs, tp: int, pp: int, dtype: str, ep: int = 1):
     """Unwrapped (no DDP, no grad buffers) GPTModel shard for this rank, uninitialised."""
     from mcore_rl.models.spec import BuildConfig
     from mcore_rl.policy.build import build_gpt_model
 
     # local spec: same checkpoint keys as Transformer Engine's, and it runs on any machine
-    cfg = BuildConfig(dtype=dtype, tp=tp, pp=pp, transformer_impl="local")
+    cfg = BuildConfig(dtype=dtype, tp=tp, pp=pp, ep=ep, transformer_impl="local")
     with without_random_init():
         model = build_gpt_model(args, cfg, wrap_ddp=False)
     mark_tensor_parallel_weights(model)

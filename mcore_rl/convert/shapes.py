@@ -32,6 +32,13 @@ _SHAPES: dict[str, Callable[[ModelArgs], tuple[int, ...]]] = {
     "mlp.linear_fc1.weight": lambda a: (2 * a.ffn_hidden_size, a.hidden_size),
     "mlp.linear_fc2.weight": lambda a: (a.hidden_size, a.ffn_hidden_size),
 }
+# MoE: the router and each routed expert (global expert index in the name)
+_MOE_SHAPES: dict[str, Callable[[ModelArgs], tuple[int, ...]]] = {
+    "mlp.router.weight": lambda a: (a.moe.num_experts, a.hidden_size),
+    "linear_fc1.weight": lambda a: (2 * a.moe.ffn_hidden_size, a.hidden_size),
+    "linear_fc2.weight": lambda a: (a.hidden_size, a.moe.ffn_hidden_size),
+}
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 # HF tensors that carry no information a Megatron checkpoint needs
 _IGNORABLE_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -48,6 +55,11 @@ def split_layer(name: str) -> tuple[int | None, str]:
 
 def mcore_shape(args: ModelArgs, name: str) -> tuple[int, ...]:
     _, rest = split_layer(name)
+    if args.moe is not None:
+        m = _EXPERT.match(rest)
+        key = m.group(2) if m else rest
+        if key in _MOE_SHAPES:
+            return _MOE_SHAPES[key](args)
     if rest not in _SHAPES:
         raise ConvertError(f"no shape rule for Megatron tensor {name!r} (architecture {args.architecture})")
     return _SHAPES[rest](args)

@@ -32,6 +32,7 @@ class VerifyJob:
     pp: int
     tokens: torch.Tensor
     result: str
+    ep: int = 1
 
 
 @dataclass
@@ -87,24 +88,27 @@ def _verify_rank(job: VerifyJob) -> None:
     from mcore_rl.convert.megatron_model import build_model, forward_logits
     from mcore_rl.distributed import init_distributed
 
-    init_distributed(job.tp, job.pp)
+    init_distributed(job.tp, job.pp, ep=job.ep)
     args = family_for(job.hf_config).args(job.hf_config)
-    model = build_model(args, job.tp, job.pp, "fp32")
+    model = build_model(args, job.tp, job.pp, "fp32", job.ep)
     load_dist_checkpoint(job.ckpt, model)
     logits = forward_logits(model, job.tokens, args.vocab_size)
-    if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+    if logits is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save(logits, job.result)
 
 
-def megatron_logits(ckpt: Path, hf_config: dict, tokens: torch.Tensor, tp: int, pp: int) -> torch.Tensor:
+def megatron_logits(ckpt: Path, hf_config: dict, tokens: torch.Tensor, tp: int, pp: int,
+                    ep: int = 1) -> torch.Tensor:
     with tempfile.TemporaryDirectory(prefix="mcore-rl-verify-") as tmp:
         result = Path(tmp) / "logits.pt"
-        run_ranks(_verify_rank, VerifyJob(str(ckpt), hf_config, tp, pp, tokens, str(result)), tp * pp)
+        run_ranks(_verify_rank, VerifyJob(str(ckpt), hf_config, tp, pp, tokens, str(result), ep), tp * pp * ep)
         return torch.load(result, weights_only=True)
 
 
-def verify(hf_dir: str | Path, ckpt: str | Path, tp: int = 1, pp: int = 1, prompt: str | None = None) -> VerifyResult:
+def verify(hf_dir: str | Path, ckpt: str | Path, tp: int = 1, pp: int = 1, prompt: str | None = None,
+           ep: int = 1) -> VerifyResult:
     from mcore_rl.convert.hf_to_mcore import load_hf_model_info
+    from mcore_rl.models.moe_spec import validate_moe_parallel
     from mcore_rl.models.spec import validate_parallel
 
     hf_dir, ckpt = Path(hf_dir).absolute(), Path(ckpt).absolute()
@@ -113,12 +117,13 @@ def verify(hf_dir: str | Path, ckpt: str | Path, tp: int = 1, pp: int = 1, promp
     cfg = ckpt_hf_config(ckpt, None) if (ckpt / HF_SUBDIR).is_dir() else None
     try:
         validate_parallel(args, tp, pp)
+        validate_moe_parallel(args, tp, ep)
     except ValueError as e:
         raise ConvertError(str(e)) from e
     tokens, source = prompt_tokens(hf_dir, args.vocab_size, prompt)
     ckpt_dtype = DistCheckpointReader(ckpt).dtypes.get("embedding.word_embeddings.weight", torch.float32)
     ref = hf_logits(hf_dir, tokens, ckpt_dtype)
-    got = megatron_logits(ckpt, cfg or args.hf_config, tokens, tp, pp)
+    got = megatron_logits(ckpt, cfg or args.hf_config, tokens, tp, pp, ep)
     if got.shape != ref.shape:
         raise ConvertError(f"logits shape differs: transformers {tuple(ref.shape)}, Megatron {tuple(got.shape)}")
     return VerifyResult(

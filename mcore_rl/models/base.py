@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mcore_rl.models.fields import COMMON_FIELDS, DECODER_FIELDS, Field, check_fields
+
 _FAMILIES: dict[str, type[ModelFamily]] = {}
 
 
@@ -32,7 +34,18 @@ def supported_architectures() -> list[str]:
 
 
 def _import_families() -> None:
-    from mcore_rl.models import llama, qwen  # noqa: F401  (registration side effects)
+    from mcore_rl.models import llama, qwen, qwen3_moe  # noqa: F401  (registration side effects)
+
+
+@dataclass
+class MoeArgs:
+    """Mixture-of-Experts facts (every decoder layer's MLP is a routed MoE)."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # per routed expert
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1 (HF `norm_topk_prob`)
+    shared_expert_size: int = 0  # 0 = no shared expert
 
 
 @dataclass
@@ -54,6 +67,7 @@ class ModelArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling_factor: float | None = None  # llama3-style scaling factor, None = plain RoPE
+    moe: MoeArgs | None = None  # Mixture-of-Experts MLPs (None = dense)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -71,9 +85,10 @@ def read_hf_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
 def family_for(hf_config: dict[str, Any]) -> ModelFamily:
     _import_families()
     archs = hf_config.get("architectures") or []
-    if not archs and hf_config.get("model_type") in {"llama", "qwen2", "qwen3"}:
-        archs = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
-            hf_config["model_type"]]]
+    by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
+    if not archs and hf_config.get("model_type") in by_type:
+        archs = [by_type[hf_config["model_type"]]]
     for arch in archs:
         if arch in _FAMILIES:
             return _FAMILIES[arch]()
@@ -89,8 +104,22 @@ class ModelFamily:
     architectures: tuple[str, ...] = ()
     qkv_bias: bool = False
     qk_norm: bool = False
+    # HF config fields this family understands beyond the common decoder ones (see models/fields.py)
+    extra_fields: dict[str, Field] = {}
+
+    def fields(self) -> dict[str, Field]:
+        """The full declaration: every HF config field this adapter maps, ignores as harmless, or pins."""
+        return {**COMMON_FIELDS, **DECODER_FIELDS, **self.extra_fields}
+
+    def check_config(self, hf: dict[str, Any]) -> None:
+        """Refuse (one line) any field outside the declaration or at a value the adapter does not implement."""
+        check_fields((hf.get("architectures") or [self.architectures[0]])[0], hf, self.fields())
+
+    def moe_args(self, hf: dict[str, Any]) -> MoeArgs | None:
+        return None
 
     def args(self, hf: dict[str, Any]) -> ModelArgs:
+        self.check_config(hf)
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -113,8 +142,9 @@ class ModelFamily:
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=self.qkv_bias or bool(hf.get("attention_bias", False)),
+            qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
             rope_scaling_factor=scaling,
+            moe=self.moe_args(hf),
             hf_config=hf,
         )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from mcore_rl.models.base import ModelArgs, ModelFamily, register_family
+from mcore_rl.models.fields import fixed
 
 Tensor = torch.Tensor
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -53,6 +54,8 @@ def canonical_name(name: str) -> str:
 
 @register_family("LlamaForCausalLM")
 class LlamaFamily(ModelFamily):
+    extra_fields = {"mlp_bias": fixed(False)}
+
     def mcore_names(self, a: ModelArgs) -> list[str]:
         """Every canonical Megatron tensor of the full model, in a streaming-friendly order."""
         names = ["embedding.word_embeddings.weight"]

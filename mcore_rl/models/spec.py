@@ -40,6 +40,8 @@ class BuildConfig:
     fp8: Fp8Config = field(default_factory=Fp8Config)
     init_std: float = 0.02
     recompute_activations: bool = False
+    ep: int = 1  # expert-parallel ranks (MoE models only; see models/moe_spec.py)
+    moe_aux_loss_coeff: float = 0.0  # MoE load-balancing loss weight (0 = off, the RL default)
 
 
 def te_available() -> bool:

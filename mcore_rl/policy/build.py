@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.models.base import ModelArgs
+from mcore_rl.models.moe_spec import moe_config_kwargs, moe_layer_spec, validate_moe_parallel
 from mcore_rl.models.spec import (
     BuildConfig,
     layer_spec,
@@ -45,7 +46,9 @@ def build_transformer_config(args: ModelArgs, build: BuildConfig):
     from megatron.core.transformer import TransformerConfig
 
     resolve_impl(build)
-    config = TransformerConfig(**transformer_config_kwargs(args, build))
+    kwargs = transformer_config_kwargs(args, build)
+    kwargs.update(moe_config_kwargs(args, build.ep, build.moe_aux_loss_coeff))  # {} for dense models
+    config = TransformerConfig(**kwargs)
     config.finalize_model_grads_func = _finalize_without_token_scaling
     config.variable_seq_lengths = build.pp > 1  # token-budget micro-batches differ in shape; p2p sends shapes
     return config
@@ -59,11 +62,12 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     validate_parallel(args, build.tp, build.pp, torch.distributed.get_world_size())
+    validate_moe_parallel(args, build.tp, build.ep, torch.distributed.get_world_size(), build.pp)
     impl = resolve_impl(build)
     config = build_transformer_config(args, build)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args, impl),
+        transformer_layer_spec=moe_layer_spec(args, impl) if args.moe else layer_spec(args, impl),
         vocab_size=padded_vocab_size(args.vocab_size, build.tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

@@ -18,19 +18,47 @@ from mcore_rl.models.llama import canonical_name
 from mcore_rl.policy.build import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def _ep() -> tuple[int, int]:
+    """(expert-parallel rank, size); (0, 1) for dense models and EP=1."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+
+
+def _num_local_experts(gpt) -> int:
+    return gpt.config.num_moe_experts // _ep()[1] if gpt.config.num_moe_experts else 0
+
+
+def _expert_name(name: str, ep_rank: int, num_local: int) -> str:
+    """'...local_experts.<j>...' (index on this EP rank) -> '...local_experts.<global e>...'."""
+    m = _LOCAL_EXPERT.match(name)
+    if not m:
+        return name
+    return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
 
 
 def _global_name(gpt, local_name: str) -> str:
-    """Local parameter name (stage-local layer index, either spec) -> canonical name with the global index."""
+    """Local parameter name (stage-local layer index, EP-local expert index, either spec) -> canonical name with
+    the global layer and expert indices."""
     m = _LAYER.match(local_name)
     if m:
         layer = gpt.decoder.layers[int(m.group(1))]
         local_name = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+    if _LOCAL_EXPERT.match(local_name):
+        local_name = _expert_name(local_name, _ep()[0], _num_local_experts(gpt))
     return canonical_name(local_name)
 
 
+def _is_expert(name: str) -> bool:
+    return _LOCAL_EXPERT.match(name) is not None
+
+
 def _is_fc1(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight")
+    """Dense or expert fc1: [gate; up], sliced per TP rank on each half."""
+    return name.endswith("mlp.linear_fc1.weight") or (_is_expert(name) and name.endswith("linear_fc1.weight"))
 
 
 def _tp_slice(name: str, full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -50,9 +78,12 @@ def _pad_vocab(name: str, full: torch.Tensor, padded_rows: int) -> torch.Tensor:
     return full
 
 
-def _tp():
+def _tp(name: str = ""):
+    """(rank, size) of the tensor-parallel group that shards `name` (the expert-TP group for expert weights)."""
     from megatron.core import parallel_state as ps
 
+    if _is_expert(name):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
@@ -63,10 +94,10 @@ def load_full_tensors(model, family: ModelFamily, args: ModelArgs, get_full: Cal
     Raises with the tensor name and both shapes on any mismatch. Returns the number of tensors loaded.
     """
     gpt = unwrap(model)
-    tp_rank, tp_size = _tp()
     n = 0
     for local_name, param in gpt.named_parameters():
         name = _global_name(gpt, local_name)
+        tp_rank, tp_size = _tp(name)
         source = "embedding.word_embeddings.weight" if (
             name == "output_layer.weight" and args.tie_word_embeddings) else name
         full = get_full(source).to(torch.float32)
@@ -95,11 +126,12 @@ def load_hf_into_model(model, family: ModelFamily, args: ModelArgs, reader) -> i
 def _gather_tp(name: str, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
-    tp_rank, tp_size = _tp()
+    tp_rank, tp_size = _tp(name)
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return local
+    group = ps.get_expert_tensor_parallel_group() if _is_expert(name) else ps.get_tensor_model_parallel_group()
     parts = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, local.contiguous(), group=group)
     if _is_fc1(name):
         gates, ups = zip(*(torch.chunk(p, 2, dim=0) for p in parts))
         return torch.cat([*gates, *ups], dim=0)
@@ -128,7 +160,10 @@ def iter_full_tensors(model, args: ModelArgs, dst: int = 0) -> Iterator[tuple[st
                 full = _gather_tp(name, param.data, param)
                 if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                     full = full[: args.vocab_size]
-                items.append((name, full))
+                if _is_expert(name):
+                    items += _gather_ep(gpt, local_name, full)
+                else:
+                    items.append((name, full))
         else:
             items = None
         if pp_size == 1:
@@ -148,6 +183,23 @@ def iter_full_tensors(model, args: ModelArgs, dst: int = 0) -> Iterator[tuple[st
             obj = [None]
             dist.recv_object_list(obj, src=src_rank)
             yield from obj[0]  # type: ignore[misc]
+
+
+def _gather_ep(gpt, local_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One expert weight (TP-gathered) from every EP rank: each holds a different block of experts."""
+    from megatron.core import parallel_state as ps
+
+    m = _LAYER.match(local_name)
+    name = local_name
+    if m:
+        name = f"decoder.layers.{gpt.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
+    _, ep_size = _ep()
+    parts = [full]
+    if ep_size > 1:
+        parts = [torch.empty_like(full) for _ in range(ep_size)]
+        dist.all_gather(parts, full.contiguous(), group=ps.get_expert_model_parallel_group())
+    num_local = _num_local_experts(gpt)
+    return [(canonical_name(_expert_name(name, r, num_local)), t) for r, t in enumerate(parts)]
 
 
 def _stage_src_rank(stage: int) -> int:

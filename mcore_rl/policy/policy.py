@@ -32,6 +32,11 @@ class Policy:
             self.args, cfg.build, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
         )
         self.optimizer = self.scheduler = None
+        self.router_load = None
+        if self.args.moe is not None:
+            from mcore_rl.policy.moe_metrics import RouterLoad
+
+            self.router_load = RouterLoad(self.model, self.args.moe.num_experts)
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(self.model, cfg.build, cfg.optim)
 
@@ -112,8 +117,11 @@ class Policy:
     def optimizer_step(self) -> dict[str, float]:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "update_ok": float(bool(ok)), "lr": self.optimizer.param_groups[0]["lr"]}
+        out = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+               "update_ok": float(bool(ok)), "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.router_load is not None:  # MoE: token share per expert since the last step (collective)
+            out.update(self.router_load.read())
+        return out
 
     def train_step(self, batch: PolicyBatch, loss_fn: LossFn, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[list[dict], dict[str, float]]:

@@ -56,7 +56,7 @@ class Run:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model_dir = resolve_model_dir(cfg)
         check_model_against_parallel(cfg, self.model_dir)
-        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed)
+        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed, ep=cfg.parallel.get("ep", 1))
         self.rank, self.dp = layout.rank, layout.dp
         from megatron.core import parallel_state as ps
 
@@ -78,6 +78,7 @@ class Run:
             self.ref = Policy(self.model_dir, policy_config(cfg), trainable=False)
         self.ewma = None
         self._init_weights()
+        self._load_check()
         if self.algorithm.needs_prox_logp:
             from mcore_rl.algorithms import EwmaWeights
 
@@ -128,6 +129,18 @@ class Run:
                 pol._sync_main_params()
             else:
                 pol.load_hf(self.model_dir)
+
+    def _load_check(self) -> None:
+        """Megatron vs transformers logits right after the initial weights are loaded (convert/load_check.py)."""
+        from mcore_rl.convert.load_check import LoadCheckConfig, run_load_check
+        from mcore_rl.trainer.setup import ConfigError
+
+        lc = LoadCheckConfig(**(self.cfg.model.get("load_check") or {}))
+        res = run_load_check(self.policy, self.model_dir, lc, from_hf=not self.cfg.model.mcore_ckpt)
+        log.warning(res.line(lc.tol))
+        if res.ran and not res.max_abs_diff <= lc.tol:
+            raise ConfigError(f"{res.line(lc.tol)}: the {self.policy.args.architecture} adapter's weight mapping "
+                              f"does not reproduce {self.model_dir}; refusing to train")
 
     @property
     def ckpt_root(self) -> Path:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from mcore_rl.algorithms import build_algorithm
 from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
+from mcore_rl.models.moe_spec import validate_moe_parallel
 from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_parallel
 from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import PolicyConfig
@@ -53,9 +54,11 @@ def validate_config(cfg: DictConfig) -> None:
 
 def build_config(cfg: DictConfig) -> BuildConfig:
     m = cfg.model
+    moe = m.get("moe") or {}  # MoE models only (hydra_conf/model/tiny_moe.yaml)
     return BuildConfig(dtype=m.dtype, transformer_impl=m.transformer_impl, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                        sequence_parallel=cfg.parallel.sequence_parallel, fp8=Fp8Config(**m.fp8),
-                       recompute_activations=m.recompute_activations)
+                       recompute_activations=m.recompute_activations, ep=cfg.parallel.get("ep", 1),
+                       moe_aux_loss_coeff=float(moe.get("aux_loss_coeff", 0.0)))
 
 
 def policy_config(cfg: DictConfig) -> PolicyConfig:
@@ -69,20 +72,21 @@ def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
 
     spec = OmegaConf.to_container(tiny, resolve=True)
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    out = (cache or DEFAULT_CACHE) / f"tiny-llama-{key}"
+    out = (cache or DEFAULT_CACHE) / f"tiny-{spec.get('model_type', 'llama')}-{key}"
     if (out / "config.json").is_file():
         return out
     # every process may race here (before torch.distributed exists): the atomic rename decides the winner
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src = materialize_smollm2()
     tok = AutoTokenizer.from_pretrained(src)
     seed = spec.pop("seed", 0)
-    config = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=True, max_position_embeddings=2048,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, **spec)
+    model_type = spec.pop("model_type", "llama")  # any transformers model type the families cover
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), tie_word_embeddings=True,
+                                  max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **spec)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -117,6 +121,8 @@ def check_model_against_parallel(cfg: DictConfig, model_dir: Path) -> None:
         args = family_for(hf).args(hf)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate_parallel(args, cfg.parallel.tp, cfg.parallel.pp, world)
+        validate_moe_parallel(args, cfg.parallel.tp, cfg.parallel.get("ep", 1), world, cfg.parallel.pp,
+                              sequence_parallel=bool(cfg.parallel.sequence_parallel))
         resolve_impl(build_config(cfg))
     except (ValueError, RuntimeError) as e:
         raise ConfigError(str(e)) from None

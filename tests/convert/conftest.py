@@ -35,6 +35,18 @@ def qwen3_config():
                        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0)
 
 
+def qwen3_moe_config(**overrides):
+    """Tiny Qwen3-MoE: 4 layers, 8 experts, top-2 with normalised top-k probabilities, q/k norm, untied head."""
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=256,
+              rms_norm_eps=1e-6)
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
 def save_random_model(folder: Path, config, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """Random weights with every tensor perturbed (norms and biases too), so a mapping slip changes the logits."""
     from transformers import AutoModelForCausalLM

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.models.transformers_layout import expert_view
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
 from mcore_rl.rollout.local.kv_cache import check_full_attention
 from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
@@ -73,6 +74,8 @@ def load_named_tensors(
     with torch.no_grad():
         for name, tensor in named_tensors:
             target = params.get(name)
+            if target is None:  # MoE: a per-expert checkpoint name lands in a fused in-memory parameter
+                target = expert_view(params, name)
             if target is None:
                 close = difflib.get_close_matches(name, list(params), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -1,0 +1,67 @@
+"""Megatron-Core MoE on machines without Transformer Engine / CUDA (kept apart from compat/cpu.py on purpose).
+
+Two sites in megatron-core 0.16.1 break a Mixture-of-Experts forward on CPU; each neutralisation is recorded in
+`compat.cpu.HITS`-style counters (`HITS` here) so a test can show exactly what is papered over:
+
+1. `moe_utils.te_general_gemm` is imported only inside a `try` that fails without TE, yet the router's gating
+   linear reads the name unconditionally (`NameError`). Without TE the name is defined as `None`, which selects the
+   plain `torch.mm` branch that upstream already has.
+2. The alltoall token dispatcher copies its split sizes on a side CUDA stream and waits on an event that
+   `stream.record_event()` returns. On CPU every copy is synchronous, so a stream whose `record_event` returns an
+   event with a no-op `synchronize` is exact.
+3. The same dispatcher turns split sizes into numpy arrays (which `all_to_all_single` accepts as sequences) only
+   when they live on the GPU (`maybe_move_tensor_to_cpu(..., as_numpy=True)`); CPU tensors pass through and gloo's
+   `all_to_all_single` rejects a tensor as split sizes. On CPU the numpy conversion is applied to host tensors too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+HITS: Counter[str] = Counter()
+_APPLIED = False
+
+
+class _HostStream:
+    """A CUDA stream/event stand-in for host-side copies that are already complete when issued."""
+
+    def wait_stream(self, *args: Any) -> None:
+        HITS["token_dispatcher.cuda_dtoh_stream.wait_stream"] += 1
+
+    def record_event(self, *args: Any) -> _HostStream:
+        HITS["token_dispatcher.cuda_dtoh_stream.record_event"] += 1
+        return self
+
+    def synchronize(self) -> None:
+        HITS["token_dispatcher.d2h_event.synchronize"] += 1
+
+
+def apply() -> bool:
+    """Idempotent; returns True if anything was patched."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    changed = False
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        HITS["moe_utils.te_general_gemm := None"] += 1
+        changed = True
+    if not torch.cuda.is_available():
+        token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HostStream()
+        upstream = moe_utils.maybe_move_tensor_to_cpu
+
+        def host_tensor_to_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+            if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+                HITS["maybe_move_tensor_to_cpu(as_numpy) on a host tensor"] += 1
+                return tensor.numpy()
+            return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        token_dispatcher.maybe_move_tensor_to_cpu = host_tensor_to_numpy
+        changed = True
+    _APPLIED = True
+    return changed

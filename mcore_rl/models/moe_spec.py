@@ -1,0 +1,76 @@
+"""Mixture-of-Experts pieces of the Megatron build: TransformerConfig fields, layer spec, parallel checks.
+
+Kept apart from spec.py (dense attention/MLP settings) so MoE selection is one call site: `build.py` merges
+`moe_config_kwargs` into the TransformerConfig and asks `moe_layer_spec` for the layer when the model has experts.
+
+Why the load-balancing loss is off by default: peers' RL recipes fine-tune an already balanced pretrained router
+(slime and verl ship Qwen3-MoE RL scripts with the aux loss at 0 or a tiny weight): the policy-gradient loss is what
+should move the weights, an extra router loss changes the policy being optimised away from the one that generated
+the samples (biasing importance ratios), and on small RL batches its gradient is noisy. Set
+`model.moe.aux_loss_coeff` > 0 to turn it on (Megatron's `aux_loss` balancing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcore_rl.models.base import ModelArgs
+
+
+def validate_moe_parallel(a: ModelArgs, tp: int, ep: int, world_size: int | None = None, pp: int = 1,
+                          sequence_parallel: bool | None = None) -> None:
+    """`sequence_parallel` is given for training builds: Megatron trains MoE with TP only under sequence
+    parallelism, and the local (CPU) layer spec's norm cannot run sequence-parallel, so TP x MoE training needs TE.
+    Conversion and verification are forward-only and run at any TP."""
+    if ep < 1:
+        raise ValueError(f"parallel.ep={ep} must be >= 1")
+    if a.moe is None:
+        if ep > 1:
+            raise ValueError(f"parallel.ep={ep} needs a Mixture-of-Experts model ({a.architecture} is dense)")
+        return
+    if a.moe.num_experts % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide num_experts={a.moe.num_experts}")
+    if sequence_parallel is not None and tp > 1 and not sequence_parallel:
+        raise ValueError(f"parallel.tp={tp} with a Mixture-of-Experts model trains only with "
+                         "parallel.sequence_parallel=true (Megatron), which needs Transformer Engine; on CPU use "
+                         "parallel.tp=1 and parallel.ep for the experts")
+    if world_size is not None and (world_size // pp) % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide the {world_size // pp} ranks of a pipeline stage")
+
+
+def moe_config_kwargs(a: ModelArgs, ep: int, aux_loss_coeff: float) -> dict[str, Any]:
+    """TransformerConfig fields for a routed MoE MLP matching HF's Qwen3-MoE block (empty for dense models)."""
+    if a.moe is None:
+        return {}
+    if aux_loss_coeff < 0:
+        raise ValueError(f"model.moe.aux_loss_coeff={aux_loss_coeff} must be >= 0")
+    m = a.moe
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_ffn_hidden_size=m.ffn_hidden_size,
+        moe_router_topk=m.topk,
+        moe_router_score_function="softmax",
+        # top-k over logits then softmax == HF's softmax -> top-k -> renormalise (norm_topk_prob=True)
+        moe_router_pre_softmax=not m.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",  # gloo has all_to_all_single; the same dispatcher runs on NCCL
+        moe_grouped_gemm=False,  # SequentialMLP: per-expert linears, the layout the adapter maps
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_shared_expert_intermediate_size=m.shared_expert_size or None,
+        expert_model_parallel_size=ep,
+    )
+
+
+def moe_layer_spec(a: ModelArgs, impl: str):
+    """Layer spec with a routed MoE MLP (SequentialMLP experts, so checkpoints name experts one by one)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from mcore_rl.compat import moe as moe_compat
+
+    moe_compat.apply()
+    if impl == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=a.moe.num_experts, moe_grouped_gemm=False, qk_layernorm=a.qk_norm)
+    return specs.get_gpt_layer_local_spec(num_experts=a.moe.num_experts, moe_grouped_gemm=False,
+                                          qk_layernorm=a.qk_norm, normalization="RMSNorm")

@@ -1,0 +1,84 @@
+"""torchrun worker for Qwen3-MoE under expert parallelism: from one torch_dist checkpoint, report log-probs, one
+Adam step's grad norm, post-step log-probs and router load; then sync the weights into the embedded engine
+(transformers' Qwen3-MoE) and report its log-probs.
+
+Usage: moe_worker.py --hf DIR --ckpt DIR --tp N --pp M --ep E --out FILE [--save-init]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.checkpoint_io import load_dist_checkpoint, save_dist_checkpoint
+from mcore_rl.distributed import init_distributed
+from mcore_rl.models.spec import BuildConfig
+from mcore_rl.policy.build import OptimConfig
+from mcore_rl.policy.policy import Policy, PolicyConfig
+from tests.multiproc.parallel_worker import fixed_batch, loss_fn
+
+
+def engine_logprobs(engine, tokens: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probs of `tokens` under the engine's live transformers model (aligned like the policy's)."""
+    with torch.no_grad():
+        logits = engine.model(tokens).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(len(tokens), 1), logp], dim=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--save-init", action="store_true")
+    ap.add_argument("--aux-loss", type=float, default=0.0, help="MoE load-balancing loss weight")
+    a = ap.parse_args()
+    init_distributed(a.tp, a.pp, ep=a.ep)
+    cfg = PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep, moe_aux_loss_coeff=a.aux_loss),
+                       optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0), token_budget=48)
+    policy = Policy(a.hf, cfg)
+    if a.save_init:
+        policy.load_hf(a.hf)
+        save_dist_checkpoint(a.ckpt, policy.model, overwrite=True)
+    else:
+        load_dist_checkpoint(a.ckpt, policy.model)
+        policy._sync_main_params()
+    batch, mask = fixed_batch(policy.args.vocab_size)
+    before = policy.logprobs(batch)
+    from megatron.core import parallel_state as ps
+
+    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = [i for i in range(len(batch)) if i % dp == dpr]
+    _, stats = policy.train_step(batch.select(rows), loss_fn)
+    after = policy.logprobs(batch)
+    # weight sync through the trainer's path (EP shards gathered, TP/PP too) into the real embedded engine
+    from mcore_rl.rollout.local import LocalEngine
+    from mcore_rl.rollout.megatron_sync import sync_weights
+
+    engine = LocalEngine(a.hf) if dist.get_rank() == 0 else None
+    sync_weights(policy, engine, version=1)
+    is_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dpr == 0
+    if is_reporter:
+        load = {k: v for k, v in stats.items() if k.startswith("moe_load")}
+        from mcore_rl.compat import moe as moe_compat
+
+        report = {"before": before * mask, "after": after * mask, "grad_norm": stats["grad_norm"], "load": load,
+                  "compat_hits": dict(moe_compat.HITS)}
+        if engine is not None:
+            report["engine_after"] = engine_logprobs(engine, batch.tokens) * mask
+            report["engine_version"] = engine.weight_version
+        torch.save(report, a.out)
+    if engine is not None:
+        engine.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
