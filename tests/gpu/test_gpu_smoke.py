@@ -80,7 +80,7 @@ def test_local_engine_generates_on_cuda(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     from mcore_rl.policy.logprobs import reference_logprobs
-    from mcore_rl.rollout.local import LocalEngine
+    from mcore_rl.rollout.local.engine import LocalEngine
     from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
 
     engine = LocalEngine(str(tiny_llama_dir), device="cuda", dtype="float32", seed=0)

@@ -58,8 +58,8 @@ def main() -> None:
     _, stats = policy.train_step(batch.select(rows), loss_fn)
     after = policy.logprobs(batch)
     # weight sync through the trainer's path (EP shards gathered, TP/PP too) into the real embedded engine
-    from mcore_rl.rollout.local import LocalEngine
-    from mcore_rl.rollout.megatron_sync import sync_weights
+    from mcore_rl.rollout.local.engine import LocalEngine
+    from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 
     engine = LocalEngine(a.hf) if dist.get_rank() == 0 else None
     sync_weights(policy, engine, version=1)
