@@ -149,7 +149,10 @@ def layer_spec(a: ModelArgs, impl: str):
 
     if impl == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=a.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=a.qk_norm, normalization="RMSNorm")
+    from mcore_rl.models.sdpa_attention import use_sdpa
+
+    # Megatron's local attention is unfused; SDPA computes the same softmax(QK^T)V in one fused kernel
+    return use_sdpa(specs.get_gpt_layer_local_spec(qk_layernorm=a.qk_norm, normalization="RMSNorm"))
 
 
 def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:

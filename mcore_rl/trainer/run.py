@@ -85,6 +85,10 @@ class Run:
             rc = OmegaConf.to_container(cfg.rollout, resolve=True)
             name = rc.pop("engine", "local")
             rc.pop("sync_mode", None), rc.pop("sync_dir", None)
+            if "dtype" in rc:  # auto: the engine runs in the trainer's (resolved) dtype
+                from mcore_rl.policy.precision import engine_dtype
+
+                rc["dtype"] = engine_dtype(rc["dtype"], self.policy.cfg.build.dtype)
             self.engine = build_engine(name, model_path=str(self.model_dir), seed=cfg.seed, **rc)
             self.reward_fn = build_reward(OmegaConf.to_container(cfg.reward, resolve=True))
         self.logger = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
