@@ -91,13 +91,9 @@ class Policy:
         if not self.is_last_stage():
             return None
         full = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-        row = 0
         for mb, out in zip(mbs, outs):
-            b, L = mb.tokens.shape
-            if row >= len(batch):  # DP padding micro-batch
-                break
-            full[row:row + b, :L] = out["logp"].float().cpu()
-            row += b
+            if mb.index is not None:  # not a DP padding micro-batch
+                full[mb.index, :mb.tokens.shape[1]] = out["logp"].float().cpu()
         return full
 
     def forward_backward(self, batch: PolicyBatch, loss_fn: LossFn, temperature: float = 1.0,
