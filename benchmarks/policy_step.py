@@ -49,6 +49,53 @@ def roofline_gflops(torch, args, dtype, tokens: int, device: str) -> float:
     return max(matmul_gflops(dtype, m, k, n, min_time=0.3, device=device) for m, k, n in shapes)
 
 
+def measure(torch, a, folder: str, name: str, device: str) -> dict:
+    """One dtype: Megatron fwd+bwd and optimizer step, the matmul roofline, and transformers' fwd+bwd."""
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.models.spec import BuildConfig
+    from mcore_rl.policy.policy import Policy, PolicyConfig
+    from mcore_rl.policy.step import PolicyBatch
+
+    n_tok = a.batch * a.seq
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    policy = Policy(folder, PolicyConfig(build=BuildConfig(dtype=name), token_budget=n_tok))
+    policy.load_hf(folder)
+    args = policy.args
+    tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
+    batch = PolicyBatch(tokens, torch.ones_like(tokens, dtype=torch.float32))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def megatron_step():
+        policy.model.zero_grad_buffer()
+        policy.forward_backward(batch, lambda mb, logp, ent: (-(logp * mb.loss_mask).sum() / n_tok, {}))
+        sync()
+
+    t_m = bench(megatron_step, a.iters)
+    t_o = bench(policy.optimizer.step, max(1, a.iters // 2))
+    roof = roofline_gflops(torch, args, tdt, n_tok, device)
+    flops = model_flops_per_token(args, a.seq) * n_tok
+    achieved = flops / t_m / 1e9
+    row = dict(dtype=name, tok_s=n_tok / t_m, gflops=achieved, roof=roof, frac=achieved / roof, opt=t_o)
+    del policy
+    if a.no_hf:
+        return row
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=tdt).to(device)
+    hf.train()
+    tok_d = tokens.to(device)
+
+    def hf_step():
+        hf.zero_grad(set_to_none=True)
+        logits = hf(tok_d).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, tok_d[:, 1:, None]).squeeze(-1)
+        (-(logp.sum()) / n_tok).backward()
+        sync()
+
+    t_h = bench(hf_step, a.iters)
+    row.update(hf_tok_s=n_tok / t_h, hf_gflops=flops / t_h / 1e9)
+    return row
+
+
 def main() -> None:
     from mcore_rl.compat.malloc import tune_malloc
 
@@ -80,58 +127,12 @@ def main() -> None:
         AutoModelForCausalLM.from_config(LlamaConfig(**shape)).save_pretrained(folder)
 
     from mcore_rl.distributed import init_distributed
-    from mcore_rl.models.spec import BuildConfig
-    from mcore_rl.policy.policy import Policy, PolicyConfig
-    from mcore_rl.policy.step import PolicyBatch
 
     init_distributed(1, 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    n_tok = a.batch * a.seq
     print(f"model={a.model} batch={a.batch} seq={a.seq} threads={torch.get_num_threads()} device={device} "
           f"load={os.getloadavg()[0]:.2f}")
-    rows = []
-    for name in a.dtypes.split(","):
-        tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-        policy = Policy(folder, PolicyConfig(build=BuildConfig(dtype=name), token_budget=n_tok))
-        policy.load_hf(folder)
-        args = policy.args
-        tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
-        batch = PolicyBatch(tokens, torch.ones_like(tokens, dtype=torch.float32))
-
-        def megatron_step():
-            policy.model.zero_grad_buffer()
-            policy.forward_backward(batch, lambda mb, logp, ent: (-(logp * mb.loss_mask).sum() / n_tok, {}))
-            if device == "cuda":
-                torch.cuda.synchronize()
-
-        def optimizer_step():
-            policy.optimizer.step()
-
-        t_m = bench(megatron_step, a.iters)
-        t_o = bench(optimizer_step, max(1, a.iters // 2))
-        roof = roofline_gflops(torch, args, tdt, n_tok, device)
-        flops = model_flops_per_token(args, a.seq) * n_tok
-        achieved = flops / t_m / 1e9
-        row = dict(dtype=name, tok_s=n_tok / t_m, gflops=achieved, roof=roof, frac=achieved / roof, opt=t_o)
-        del policy
-        if not a.no_hf:
-            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=tdt).to(device)
-            hf.train()
-            tok_d = tokens.to(device)
-
-            def hf_step():
-                hf.zero_grad(set_to_none=True)
-                logits = hf(tok_d).logits[:, :-1].float()
-                logp = torch.log_softmax(logits, -1).gather(-1, tok_d[:, 1:, None]).squeeze(-1)
-                (-(logp.sum()) / n_tok).backward()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-
-            t_h = bench(hf_step, a.iters)
-            row.update(hf_tok_s=n_tok / t_h, hf_gflops=flops / t_h / 1e9)
-            del hf
-        rows.append(row)
-
+    rows = [measure(torch, a, folder, name, device) for name in a.dtypes.split(",")]
     print(f"{'dtype':>5} | {'fwd+bwd tok/s':>13} | {'GFLOP/s':>8} | {'matmul roofline':>15} | {'% roofline':>10} | "
           f"{'optimizer step s':>16} | {'transformers tok/s':>18} | {'ratio ours/HF':>13}")
     for r in rows:
