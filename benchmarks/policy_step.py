@@ -77,7 +77,6 @@ def measure(torch, a, folder: str, name: str, device: str) -> dict:
     flops = model_flops_per_token(args, a.seq) * n_tok
     achieved = flops / t_m / 1e9
     row = dict(dtype=name, tok_s=n_tok / t_m, gflops=achieved, roof=roof, frac=achieved / roof, opt=t_o)
-    del policy
     if a.no_hf:
         return row
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=tdt).to(device)
