@@ -68,6 +68,7 @@ class Run:
         # rank 0: data, rewards, engine, logger (data first: a missing field fails before the model is built)
         self.data = prompt_src.PromptSource(cfg, self.model_dir, self.algorithm) if self.rank == 0 else None
         self.policy = Policy(self.model_dir, policy_config(cfg))
+        OmegaConf.update(cfg, "model.dtype", self.policy.cfg.build.dtype)  # auto -> what was measured, recorded
         self.ref = None
         if self.algorithm.needs_ref_logp:
             self.ref = Policy(self.model_dir, policy_config(cfg), trainable=False)
