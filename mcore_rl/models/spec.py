@@ -40,6 +40,9 @@ class BuildConfig:
     fp8: Fp8Config = field(default_factory=Fp8Config)
     init_std: float = 0.02
     recompute_activations: bool = False
+    # bf16/fp16: run the LM head (the vocab-sized matmul) in fp32, as ScaleRL does: bf16 logits of magnitude ~20
+    # are rounded by ~0.05, the largest single source of bf16-vs-fp32 log-prob error; costs fp32 speed on it
+    lm_head_fp32: bool = False
 
 
 def te_available() -> bool:

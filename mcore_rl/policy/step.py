@@ -116,6 +116,10 @@ def _head_on_scored_tokens(model_chunk, mb: PolicyBatch, pos: torch.Tensor):
     h = hidden.transpose(0, 1)[:, :-1][sel]
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
     dtype = gpt.output_layer.weight.dtype if weight is None else weight.dtype
+    if getattr(gpt, "lm_head_fp32", False) and dtype != torch.float32:
+        # fp32 copy of the (bf16) weight inside autograd: its gradient flows back to the bf16 parameter
+        weight = (gpt.output_layer.weight if weight is None else weight).float()
+        dtype = torch.float32
     logits, _ = gpt.output_layer(h.unsqueeze(1).to(dtype), weight=weight)
     return logits, sel
 

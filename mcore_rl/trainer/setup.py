@@ -54,7 +54,7 @@ def build_config(cfg: DictConfig) -> BuildConfig:
     m = cfg.model
     return BuildConfig(dtype=m.dtype, transformer_impl=m.transformer_impl, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                        sequence_parallel=cfg.parallel.sequence_parallel, fp8=Fp8Config(**m.fp8),
-                       recompute_activations=m.recompute_activations)
+                       recompute_activations=m.recompute_activations, lm_head_fp32=m.get("lm_head_fp32", False))
 
 
 def policy_config(cfg: DictConfig) -> PolicyConfig:

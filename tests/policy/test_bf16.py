@@ -56,6 +56,10 @@ def logprobs_by_dtype(smollm2_dir):
     init_distributed(1, 1)
     tokens, mask = _real_tokens(smollm2_dir)
     out = {"mask": mask}
+    head32 = Policy(smollm2_dir, PolicyConfig(build=BuildConfig(dtype="bf16", lm_head_fp32=True), token_budget=1024))
+    head32.load_hf(smollm2_dir)
+    out["bf16_head32"] = head32.logprobs(PolicyBatch(tokens, mask))
+    del head32
     for dt, tdt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         pol = Policy(smollm2_dir, PolicyConfig(build=BuildConfig(dtype=dt), token_budget=1024))
         pol.load_hf(smollm2_dir)
@@ -78,8 +82,11 @@ def test_bf16_logprobs_bounded_against_fp32(logprobs_by_dtype):
     ours = (o["bf16"] - o["fp32"]).abs()[m]
     peer = (o["hf_bf16"] - o["hf_fp32"]).abs()[m]
     ref = (o["fp32"] - o["hf_fp32"]).abs()[m]
+    head32 = (o["bf16_head32"] - o["fp32"]).abs()[m]
     print(f"\nbf16 vs fp32 log-probs over {int(m.sum())} tokens: ours max {ours.max():.4f} mean {ours.mean():.4f}; "
+          f"with fp32 LM head max {head32.max():.4f} mean {head32.mean():.4f}; "
           f"transformers bf16 max {peer.max():.4f} mean {peer.mean():.4f}; fp32 policy vs HF fp32 max {ref.max():.2e}")
+    assert head32.mean() < 0.1 and head32.max() < 1.5
     assert ref.max() < 1e-3  # the fp32 reference is the real model
     assert o["fp32"][m].std() > 1.0  # real spread of log-probs: the comparison has teeth
     assert ours.mean() < 0.1 and ours.max() < 1.5
@@ -130,19 +137,25 @@ def test_auto_dtype_threshold(monkeypatch):
 
 
 def test_cli_trains_tiny_in_bf16_with_auto_choice_logged(tmp_path):
-    """The trainer CLI end to end with model.dtype=bf16 (engine follows: rollout.dtype=auto), and =auto logs."""
+    """The trainer CLI end to end with model.dtype=bf16 + model.lm_head_fp32 (engine follows: rollout.dtype=auto),
+    and with model.dtype=auto, whose measured choice is logged and recorded in the run's config.yaml."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     base = [sys.executable, "-m", "mcore_rl.train", "model=tiny", "eval.num_prompts=0", "trainer.prompts_per_update=2",
             "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8", "logging.progress=false",
             "trainer.export_hf=false", "logging.plot=false", "trainer.steps=2"]
     for dt in ("bf16", "auto"):
         run_dir = tmp_path / dt
-        proc = subprocess.run([*base, f"model.dtype={dt}", f"run.dir={run_dir}"], capture_output=True, text=True,
-                              timeout=300, env=env, cwd=REPO)
+        extra = ["model.lm_head_fp32=true"] if dt == "bf16" else []
+        proc = subprocess.run([*base, f"model.dtype={dt}", f"run.dir={run_dir}", *extra], capture_output=True,
+                              text=True, timeout=300, env=env, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-3000:]
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in recs] == [1, 2] and all(r["update_ok"] == 1.0 for r in recs)
         # the train/rollout mismatch is measured every step (bf16 engine vs bf16 trainer: small but nonzero)
         assert 0 < recs[-1]["train_rollout_logprob_abs_diff"] < 0.5
+        recorded = (run_dir / "config.yaml").read_text()
         if dt == "auto":
             assert "model.dtype=auto -> " in proc.stderr and "GFLOP/s" in proc.stderr
+            assert ("dtype: bf16" in recorded) or ("dtype: fp32" in recorded)
+        else:
+            assert "dtype: bf16" in recorded and "lm_head_fp32: true" in recorded
