@@ -76,16 +76,21 @@ def main() -> None:
     model = materialize_smollm2()
     which = a.only.split(",")
     load0 = os.getloadavg()
-    rows = []
+    rows: list[dict] = []
+
+    def done(r: dict) -> None:
+        rows.append(r)
+        print(f"finished {r['trainer']}: {json.dumps(r)} (load {os.getloadavg()[0]:.2f})", flush=True)
+
     if "mcore" in which:
-        rows.append(run_mcore(a.steps))
+        done(run_mcore(a.steps))
     if "mcore-fp32" in which:
-        rows.append(run_mcore(a.steps, "model.dtype=fp32"))
+        done(run_mcore(a.steps, "model.dtype=fp32"))
     if any(w.startswith("trl") for w in which):
         py = ensure_trl_venv(a.cache)
-        for prec in ("fp32", "bf16"):
+        for prec in ("bf16", "fp32"):
             if f"trl-{prec}" in which:
-                rows.append(run_trl(py, model, a.steps, prec))
+                done(run_trl(py, model, a.steps, prec))
     load1 = os.getloadavg()
     print(f"\nworkload: SmolLM2-135M-Instruct, 8 prompts x 4 samples, <= 48 new tokens, T=0.7; "
           f"{a.steps} measured steps each (after 1 warm-up), one after the other")
