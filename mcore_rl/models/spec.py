@@ -152,7 +152,10 @@ def layer_spec(a: ModelArgs, impl: str):
 
     if impl == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=a.qk_norm)
+    from mcore_rl.compat import rope
     from mcore_rl.models.sdpa_attention import use_sdpa
+
+    rope.install()  # cos/sin once per forward instead of per layer; same numbers as Megatron's unfused RoPE
 
     # Megatron's local attention is unfused; SDPA computes the same softmax(QK^T)V in one fused kernel
     return use_sdpa(specs.get_gpt_layer_local_spec(qk_layernorm=a.qk_norm, normalization="RMSNorm"))

@@ -142,3 +142,25 @@ def test_length_sorted_micro_batches_cut_padding_and_keep_row_order(policy):
     m = mask > 0
     assert (got - whole).abs()[m].max().item() < 1e-5
     assert (got[~m] == 0).all() and whole[m].std() > 0.3
+
+
+def test_cached_rope_is_bitwise_megatron_and_computes_cos_once(policy, monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import attention
+
+    from mcore_rl.compat import rope
+
+    assert attention.apply_rotary_pos_emb.__wrapped__ is not None  # installed by the local layer spec
+    cfg = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    g = torch.Generator().manual_seed(3)
+    freqs = torch.randn(24, 1, 1, 16, generator=g)
+    calls = []
+    real_cos = torch.cos
+    monkeypatch.setattr(torch, "cos", lambda x: calls.append(1) or real_cos(x))
+    rope._CACHE.clear()
+    inputs = [torch.randn(24, 2, 4, 16, generator=g).to(dt) for dt in (torch.float32, torch.bfloat16) for _ in range(3)]
+    got = [attention.apply_rotary_pos_emb(t, freqs, cfg) for t in inputs]  # 3 "layers" share freqs, per dtype
+    assert len(calls) == 2  # cos once per dtype, not per layer
+    for t, out in zip(inputs, got):
+        assert torch.equal(out, attention.apply_rotary_pos_emb.__wrapped__(t, freqs, cfg, cp_group=object()))
