@@ -2,7 +2,7 @@
 
 Why measure instead of reading CPU flags: whether bf16 pays depends on the instruction set (AMX / AVX512-BF16),
 on the oneDNN build and on the thread count; a CPU without native bf16 emulates it and runs slower than fp32.
-One `torch.mm` of a transformer-sized shape in each dtype, timed at start (~0.3 s), answers the question for the
+One `torch.mm` of a transformer-sized shape in each dtype, timed at start (~0.6 s), answers the question for the
 machine the job actually landed on. Every rank must train in the same dtype, so rank 0 decides and broadcasts.
 """
 
@@ -31,7 +31,7 @@ class MatmulRates:
         return self.bf16_gflops / self.fp32_gflops
 
 
-def matmul_gflops(dtype: torch.dtype, m: int = 2048, k: int = 576, n: int = 1536, min_time: float = 0.15,
+def matmul_gflops(dtype: torch.dtype, m: int = 2048, k: int = 576, n: int = 1536, min_time: float = 0.1,
                   device: str = "cpu") -> float:
     """Best-of-repeats GFLOP/s of `torch.mm` [m,k]x[k,n] (best, not median: other processes only slow it down)."""
     a = torch.randn(m, k, device=device).to(dtype)
@@ -48,8 +48,14 @@ def matmul_gflops(dtype: torch.dtype, m: int = 2048, k: int = 576, n: int = 1536
     return 2.0 * m * k * n / best / 1e9
 
 
-def measure_matmul_rates(**kw) -> MatmulRates:
-    return MatmulRates(matmul_gflops(torch.float32, **kw), matmul_gflops(torch.bfloat16, **kw))
+def measure_matmul_rates(rounds: int = 3, **kw) -> MatmulRates:
+    """Best of `rounds` interleaved fp32/bf16 timings: a burst of load from another process then slows both
+    dtypes' samples alike instead of deciding the comparison (seen on shared 2-core machines)."""
+    fp32 = bf16 = 0.0
+    for _ in range(rounds):
+        fp32 = max(fp32, matmul_gflops(torch.float32, **kw))
+        bf16 = max(bf16, matmul_gflops(torch.bfloat16, **kw))
+    return MatmulRates(fp32, bf16)
 
 
 def resolve_dtype(dtype: str) -> str:
