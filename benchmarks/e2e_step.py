@@ -4,7 +4,8 @@
 
 Runs the real trainer (SmolLM2-135M, GRPO, embedded engine) for a few on-policy steps and prints the median step time
 with its phase split (generate / reward / old-logprob / train / sync) and the peak RSS of the process tree.
-Goal on the 2-core machine: <= 28 s per step and <= 4 GB peak RSS.
+Trains in the default `model.dtype=auto` (bf16 where this CPU's bf16 matmul is >= 1.5x fp32); pass
+`model.dtype=fp32` to compare. The last line, RESULT {...}, is for benchmarks/peer_trl.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ import tempfile
 from pathlib import Path
 
 PHASES = ("time_generate", "time_reward", "time_old_logp", "time_train", "time_sync")
+
+
+def _dtype_of(run_dir: Path) -> str:
+    """The dtype the run trained in, as the trainer recorded it (model.dtype=auto is resolved at start)."""
+    from omegaconf import OmegaConf
+
+    p = run_dir / "config.yaml"
+    return str(OmegaConf.load(p).model.dtype) if p.is_file() else "?"
 
 
 def main() -> None:
@@ -53,6 +62,13 @@ def main() -> None:
     print(f"peak RSS during the steps: {max(r.get('mem_peak_gb', 0.0) for r in recs):.2f} GB "
           f"(resident after each step: {rss})")
     print(f"peak RSS incl. final checkpoint + HF export: trainer {peak_self:.2f} GB, largest child {peak_children:.2f} GB")
+    print("RESULT " + json.dumps({
+        "steps": len(steady), "step": statistics.median(step_times),
+        "generate": statistics.median(r.get("time_generate", 0.0) for r in steady),
+        "train": statistics.median(r.get("time_train", 0.0) + r.get("time_old_logp", 0.0) for r in steady),
+        "peak_rss_gb": max(peak_self, max(r.get("mem_peak_gb", 0.0) for r in recs)),
+        "dtype": _dtype_of(run_dir), "mismatch": statistics.median(
+            r.get("train_rollout_logprob_abs_diff", 0.0) for r in steady)}))
     sys.stdout.flush()
 
 

@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument(
         "--ignore-eos", action="store_true", help="fixed-length outputs: raw per-step speed, no early exits"
     )
+    ap.add_argument("--dtype", default="float32", help="engine (and HF) dtype: float32 | bfloat16")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,14 +97,14 @@ def main() -> None:
         from mcore_rl.models.smollm2 import materialize_smollm2
 
         path = str(materialize_smollm2())
-    engine = LocalEngine(path, max_batch_size=max(64, args.prompts))
+    engine = LocalEngine(path, max_batch_size=max(64, args.prompts), dtype=args.dtype)
     model, tokenizer = engine.model, engine.tokenizer  # same weights for both: one copy in memory
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
     eos = eos if eos is not None else tokenizer.eos_token_id
     prompts = build_prompts(tokenizer, args.prompts)
     print(
         f"model={path} prompts={len(prompts)} new_tokens={args.new_tokens} T={args.temperature} "
-        f"threads={torch.get_num_threads()} ignore_eos={args.ignore_eos}"
+        f"threads={torch.get_num_threads()} ignore_eos={args.ignore_eos} dtype={args.dtype}"
     )
 
     # warm-up (allocators, kernels) for both, not timed

@@ -42,6 +42,9 @@ class BuildConfig:
     recompute_activations: bool = False
     ep: int = 1  # expert-parallel ranks (MoE models only; see models/moe_spec.py)
     moe_aux_loss_coeff: float = 0.0  # MoE load-balancing loss weight (0 = off, the RL default)
+    # bf16/fp16: run the LM head (the vocab-sized matmul) in fp32, as ScaleRL does: bf16 logits of magnitude ~20
+    # are rounded by ~0.05, the largest single source of bf16-vs-fp32 log-prob error; costs fp32 speed on it
+    lm_head_fp32: bool = False
 
 
 def te_available() -> bool:
@@ -151,7 +154,13 @@ def layer_spec(a: ModelArgs, impl: str):
 
     if impl == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=a.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=a.qk_norm, normalization="RMSNorm")
+    from mcore_rl.compat import rope
+    from mcore_rl.models.sdpa_attention import use_sdpa
+
+    rope.install()  # cos/sin once per forward instead of per layer; same numbers as Megatron's unfused RoPE
+
+    # Megatron's local attention is unfused; SDPA computes the same softmax(QK^T)V in one fused kernel
+    return use_sdpa(specs.get_gpt_layer_local_spec(qk_layernorm=a.qk_norm, normalization="RMSNorm"))
 
 
 def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:

@@ -79,6 +79,7 @@ def build_gpt_model(
         rope_scaling=args.rope_scaling_factor is not None,
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
+    model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if config.bf16 or config.fp16:

@@ -12,6 +12,7 @@ from mcore_rl.models.hf_io import HFReader
 from mcore_rl.models.spec import BuildConfig
 from mcore_rl.policy.build import OptimConfig, build_gpt_model, build_optimizer, unwrap
 from mcore_rl.policy.hf_weights import iter_hf_tensors, load_hf_into_model
+from mcore_rl.policy.precision import resolve_dtype
 from mcore_rl.policy.step import LossFn, PolicyBatch, run_forward_backward, split_micro_batches
 
 
@@ -28,6 +29,7 @@ class Policy:
         self.family = family_for(hf)
         self.args: ModelArgs = self.family.args(hf)
         self.cfg = cfg
+        cfg.build.dtype = resolve_dtype(cfg.build.dtype)  # `auto` -> fp32 | bf16, measured once, logged
         self.model = build_gpt_model(
             self.args, cfg.build, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
         )
@@ -94,13 +96,9 @@ class Policy:
         if not self.is_last_stage():
             return None
         full = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-        row = 0
         for mb, out in zip(mbs, outs):
-            b, L = mb.tokens.shape
-            if row >= len(batch):  # DP padding micro-batch
-                break
-            full[row:row + b, :L] = out["logp"].float().cpu()
-            row += b
+            if mb.index is not None:  # not a DP padding micro-batch
+                full[mb.index, :mb.tokens.shape[1]] = out["logp"].float().cpu()
         return full
 
     def forward_backward(self, batch: PolicyBatch, loss_fn: LossFn, temperature: float = 1.0,

@@ -21,6 +21,7 @@ class PolicyBatch:
     tokens: torch.Tensor  # [N, L] int64, right padded
     loss_mask: torch.Tensor  # [N, L] float: 1 where the token at that position is scored (response tokens)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [N, L] or [N] tensors
+    index: torch.Tensor | None = None  # rows of the parent batch (set on micro-batches; None on DP padding)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -39,24 +40,34 @@ class PolicyBatch:
             t = t[rows]
             return t[:, :L] if t.dim() >= 2 else t
 
-        return PolicyBatch(cut(self.tokens), cut(self.loss_mask), {k: cut(v) for k, v in self.extras.items()})
+        index = rows if self.index is None else self.index[rows]
+        return PolicyBatch(cut(self.tokens), cut(self.loss_mask), {k: cut(v) for k, v in self.extras.items()},
+                           index)
 
 
 def split_micro_batches(batch: PolicyBatch, token_budget: int, pad_to: int = 8) -> list[PolicyBatch]:
-    """Greedy token-budget packing: consecutive rows while rows * padded_max_len <= budget (at least 1 row)."""
-    lengths = batch.lengths().tolist()
+    """Greedy token-budget packing of length-sorted rows: rows * padded_max_len <= budget (at least 1 row).
+
+    Rows are taken longest first, so each micro-batch holds rows of similar length and pads little (RL batches mix
+    short and truncated answers: in arrival order a single long row pads its whole micro-batch). Each micro-batch
+    records its rows' `index` in `batch`; losses are sums of per-token terms with global denominators, so the
+    order of micro-batches does not change the result.
+    """
+    lengths = batch.lengths()
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    lengths = lengths.tolist()
     out: list[PolicyBatch] = []
     start = 0
-    while start < len(lengths):
+    while start < len(order):
         end, cur_max = start, 0
-        while end < len(lengths):
-            m = max(cur_max, lengths[end])
+        while end < len(order):
+            m = max(cur_max, lengths[order[end]])
             m_pad = min(-(-m // pad_to) * pad_to, batch.tokens.shape[1])
             if end > start and (end - start + 1) * m_pad > token_budget:
                 break
             cur_max, end = m, end + 1
         L = min(-(-cur_max // pad_to) * pad_to, batch.tokens.shape[1])
-        out.append(batch.select(list(range(start, end)), L))
+        out.append(batch.select(order[start:end], L))
         start = end
     return out
 
@@ -105,6 +116,10 @@ def _head_on_scored_tokens(model_chunk, mb: PolicyBatch, pos: torch.Tensor):
     h = hidden.transpose(0, 1)[:, :-1][sel]
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
     dtype = gpt.output_layer.weight.dtype if weight is None else weight.dtype
+    if getattr(gpt, "lm_head_fp32", False) and dtype != torch.float32:
+        # fp32 copy of the (bf16) weight inside autograd: its gradient flows back to the bf16 parameter
+        weight = (gpt.output_layer.weight if weight is None else weight).float()
+        dtype = torch.float32
     logits, _ = gpt.output_layer(h.unsqueeze(1).to(dtype), weight=weight)
     return logits, sel
 

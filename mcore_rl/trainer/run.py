@@ -73,6 +73,7 @@ class Run:
         # rank 0: data, rewards, engine, logger (data first: a missing field fails before the model is built)
         self.data = prompt_src.PromptSource(cfg, self.model_dir, self.algorithm) if self.rank == 0 else None
         self.policy = Policy(self.model_dir, policy_config(cfg))
+        OmegaConf.update(cfg, "model.dtype", self.policy.cfg.build.dtype)  # auto -> what was measured, recorded
         self.ref = None
         if self.algorithm.needs_ref_logp:
             self.ref = Policy(self.model_dir, policy_config(cfg), trainable=False)
@@ -94,6 +95,10 @@ class Run:
                 rc.pop(key, None)
             if self.staged and isinstance(rc.get("launcher"), dict):  # SGLang releases memory only with a saver
                 rc["launcher"]["memory_saver"] = True
+            if "dtype" in rc:  # auto: the engine runs in the trainer's (resolved) dtype
+                from mcore_rl.policy.precision import engine_dtype
+
+                rc["dtype"] = engine_dtype(rc["dtype"], self.policy.cfg.build.dtype)
             self.engine = build_engine(name, model_path=str(self.model_dir), seed=cfg.seed, **rc)
             if rc.get("worker_urls"):
                 log.warning("rollout engine %s: /generate via %s; weight updates and control calls to %s", name,

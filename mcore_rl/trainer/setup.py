@@ -58,7 +58,8 @@ def build_config(cfg: DictConfig) -> BuildConfig:
     return BuildConfig(dtype=m.dtype, transformer_impl=m.transformer_impl, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                        sequence_parallel=cfg.parallel.sequence_parallel, fp8=Fp8Config(**m.fp8),
                        recompute_activations=m.recompute_activations, ep=cfg.parallel.get("ep", 1),
-                       moe_aux_loss_coeff=float(moe.get("aux_loss_coeff", 0.0)))
+                       moe_aux_loss_coeff=float(moe.get("aux_loss_coeff", 0.0)),
+                       lm_head_fp32=m.get("lm_head_fp32", False))
 
 
 def policy_config(cfg: DictConfig) -> PolicyConfig:

@@ -58,7 +58,8 @@ def test_cpu_shim_records_megatron_sites(policy):
     # the sites ENVIRONMENT.md lists for a train step on CPU
     assert "megatron/core/models/common/embeddings/rotary_pos_embedding.py" in files
     assert "megatron/core/optimizer/clip_grads.py" in files
-    assert "megatron/core/transformer/dot_product_attention.py" in files  # RNG tracker fork
+    # our SDPA core attention replaces Megatron's local one (whose dropout forks the CUDA RNG tracker)
+    assert "megatron/core/transformer/dot_product_attention.py" not in files
     assert "megatron/core/pipeline_parallel/schedules.py" in files
     assert all(v > 0 for v in sites.values())
 
@@ -115,3 +116,51 @@ def test_fp8_settings_map_to_transformer_config_fields():
 
     cfg = TransformerConfig(**transformer_config_kwargs(_args(), BuildConfig()))
     assert cfg.num_query_groups == 2 and cfg.gated_linear_unit and cfg.normalization == "RMSNorm"
+
+
+def test_length_sorted_micro_batches_cut_padding_and_keep_row_order(policy):
+    from mcore_rl.policy.step import PolicyBatch, split_micro_batches
+
+    g = torch.Generator().manual_seed(2)
+    lengths = [40, 9, 33, 12, 38, 10, 35, 8]  # long and short rows interleaved, as RL answers arrive
+    tokens = torch.randint(0, 512, (len(lengths), 40), generator=g)
+    mask = torch.zeros(len(lengths), 40)
+    for i, n in enumerate(lengths):
+        mask[i, 1:n] = 1.0
+    batch = PolicyBatch(tokens, mask)
+    mbs = split_micro_batches(batch, token_budget=96)
+    assert sorted(int(i) for mb in mbs for i in mb.index) == list(range(len(lengths)))
+    padded = sum(mb.tokens.numel() for mb in mbs)
+    # arrival-order packing would pad every short row to its long neighbour (~2 rows of 40 per micro-batch)
+    assert padded <= 0.7 * len(lengths) * 40, padded
+    got = policy.logprobs(batch)  # token_budget=64 in the fixture: several micro-batches, reassembled by index
+    budget, policy.cfg.token_budget = policy.cfg.token_budget, 10_000
+    try:
+        whole = policy.logprobs(batch)  # one micro-batch (weights may have moved in earlier tests: same policy)
+    finally:
+        policy.cfg.token_budget = budget
+    m = mask > 0
+    assert (got - whole).abs()[m].max().item() < 1e-5
+    assert (got[~m] == 0).all() and whole[m].std() > 0.3
+
+
+def test_cached_rope_is_bitwise_megatron_and_computes_cos_once(policy, monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import attention
+
+    from mcore_rl.compat import rope
+
+    assert attention.apply_rotary_pos_emb.__wrapped__ is not None  # installed by the local layer spec
+    cfg = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    g = torch.Generator().manual_seed(3)
+    freqs = torch.randn(24, 1, 1, 16, generator=g)
+    calls = []
+    real_cos = torch.cos
+    monkeypatch.setattr(torch, "cos", lambda x: calls.append(1) or real_cos(x))
+    rope._CACHE.clear()
+    inputs = [torch.randn(24, 2, 4, 16, generator=g).to(dt) for dt in (torch.float32, torch.bfloat16) for _ in range(3)]
+    got = [attention.apply_rotary_pos_emb(t, freqs, cfg) for t in inputs]  # 3 "layers" share freqs, per dtype
+    assert len(calls) == 2  # cos once per dtype, not per layer
+    for t, out in zip(inputs, got):
+        assert torch.equal(out, attention.apply_rotary_pos_emb.__wrapped__(t, freqs, cfg, cp_group=object()))

@@ -38,6 +38,8 @@ from mcore_rl.rollout.protocol import (
 from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
 log = logging.getLogger(__name__)
+# standalone, `auto` means fp32; inside a training run the trainer resolves it to its own dtype first
+_DTYPE_ALIASES = {"auto": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass
@@ -114,8 +116,11 @@ class LocalEngine:
             raise FileNotFoundError(f"model_path {model_path} is not an HF folder (no config.json)")
         self.model_path = str(model_path)
         self.device = torch.device(device)
+        name = _DTYPE_ALIASES.get(dtype, dtype)
+        if name not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"rollout.dtype={dtype!r}: expected auto, float32, bfloat16 or float16")
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+            model_path, dtype=getattr(torch, name), attn_implementation="sdpa"
         ).to(self.device)
         self.model.eval()
         check_full_attention(self.model.config)

@@ -1,0 +1,100 @@
+"""`model.dtype: auto`: pick bf16 mixed precision where this machine multiplies bf16 matrices fast, fp32 elsewhere.
+
+Why measure instead of reading CPU flags: whether bf16 pays depends on the instruction set (AMX / AVX512-BF16),
+on the oneDNN build and on the thread count; a CPU without native bf16 emulates it and runs slower than fp32.
+One `torch.mm` of a transformer-sized shape in each dtype, timed at start (~0.6 s), answers the question for the
+machine the job actually landed on. Every rank must train in the same dtype, so rank 0 decides and broadcasts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("mcore_rl")
+
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+AUTO_MIN_SPEEDUP = 1.5  # bf16 must be at least this much faster than fp32 to be worth its rounding error
+
+
+@dataclass(frozen=True)
+class MatmulRates:
+    fp32_gflops: float
+    bf16_gflops: float
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_gflops / self.fp32_gflops
+
+
+def matmul_gflops(dtype: torch.dtype, m: int = 2048, k: int = 576, n: int = 1536, min_time: float = 0.1,
+                  device: str = "cpu") -> float:
+    """Best-of-repeats GFLOP/s of `torch.mm` [m,k]x[k,n] (best, not median: other processes only slow it down)."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    torch.mm(a, b)  # warm-up (oneDNN primitive creation)
+    best, spent = float("inf"), 0.0
+    while spent < min_time:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+    return 2.0 * m * k * n / best / 1e9
+
+
+def measure_matmul_rates(rounds: int = 3, **kw) -> MatmulRates:
+    """Best of `rounds` interleaved fp32/bf16 timings: a burst of load from another process then slows both
+    dtypes' samples alike instead of deciding the comparison (seen on shared 2-core machines)."""
+    fp32 = bf16 = 0.0
+    for _ in range(rounds):
+        fp32 = max(fp32, matmul_gflops(torch.float32, **kw))
+        bf16 = max(bf16, matmul_gflops(torch.bfloat16, **kw))
+    return MatmulRates(fp32, bf16)
+
+
+def resolve_dtype(dtype: str) -> str:
+    """fp32 / bf16 / fp16 as given; `auto` -> bf16 on GPU, else by measurement (same answer on every rank)."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"model.dtype={dtype!r}: expected one of {list(DTYPE_CHOICES)}")
+    if dtype != "auto":
+        return dtype
+    global _AUTO
+    if _AUTO is None:
+        _AUTO = _decide_auto()
+    return _AUTO
+
+
+_AUTO: str | None = None  # measured once per process (the policy and a reference model share the answer)
+
+
+def _decide_auto() -> str:
+    if torch.cuda.is_available():
+        log.warning("model.dtype=auto -> bf16 (CUDA)")
+        return "bf16"
+    import torch.distributed as dist
+
+    choice = torch.zeros(1)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        rates = measure_matmul_rates()
+        pick = rates.speedup >= AUTO_MIN_SPEEDUP
+        choice[0] = 1.0 if pick else 0.0
+        log.warning("model.dtype=auto -> %s (torch.mm fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s, %.2fx; bf16 needs >= "
+                    "%.1fx)", "bf16" if pick else "fp32", rates.fp32_gflops, rates.bf16_gflops, rates.speedup,
+                    AUTO_MIN_SPEEDUP)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(choice, src=0)
+    return "bf16" if choice.item() > 0 else "fp32"
+
+
+def engine_dtype(rollout_dtype: str | None, train_dtype: str) -> str:
+    """The embedded engine's torch dtype name: `auto`/None follows the trainer (fewer train/rollout mismatches
+    than mixing precisions, and the engine gets the same bf16 speed-up)."""
+    if rollout_dtype in (None, "auto"):
+        return TORCH_NAMES[train_dtype]
+    return TORCH_NAMES.get(rollout_dtype, rollout_dtype)
