@@ -45,23 +45,22 @@ def _log_fsync(path: Path) -> None:
             f.write(f"{os.stat(path).st_ino} {os.path.abspath(path)}\n")
 
 
-def fsync_file(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: str | Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
     _log_fsync(Path(path))
+
+
+def fsync_file(path: str | Path) -> None:
+    _fsync(path, os.O_RDONLY)
 
 
 def fsync_dir(path: str | Path) -> None:
     """Persist a directory's entries (creations, renames, unlinks inside it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    _log_fsync(Path(path))
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def fsync_tree(root: str | Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mcore_rl import fsio
 from mcore_rl.algorithms import build_algorithm
 from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
@@ -91,14 +92,7 @@ def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():
-            raise
+    fsio.publish_new(tmp, out)  # racing processes: the first rename wins, the others discard their copy
     return out
 
 

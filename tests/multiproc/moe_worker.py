@@ -12,12 +12,11 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from mcore_rl.checkpoint_io import load_dist_checkpoint, save_dist_checkpoint
 from mcore_rl.distributed import init_distributed
 from mcore_rl.models.spec import BuildConfig
 from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import Policy, PolicyConfig
-from tests.multiproc.parallel_worker import fixed_batch, loss_fn
+from tests.multiproc.parallel_worker import step_from_shared_checkpoint
 
 
 def engine_logprobs(engine, tokens: torch.Tensor) -> torch.Tensor:
@@ -43,28 +42,15 @@ def main() -> None:
     cfg = PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep, moe_aux_loss_coeff=a.aux_loss),
                        optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0), token_budget=48)
     policy = Policy(a.hf, cfg)
-    if a.save_init:
-        policy.load_hf(a.hf)
-        save_dist_checkpoint(a.ckpt, policy.model, overwrite=True)
-    else:
-        load_dist_checkpoint(a.ckpt, policy.model)
-        policy._sync_main_params()
-    batch, mask = fixed_batch(policy.args.vocab_size)
-    before = policy.logprobs(batch)
-    from megatron.core import parallel_state as ps
-
-    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows = [i for i in range(len(batch)) if i % dp == dpr]
-    _, stats = policy.train_step(batch.select(rows), loss_fn)
-    after = policy.logprobs(batch)
+    res = step_from_shared_checkpoint(policy, a.hf, a.ckpt, a.save_init)
+    batch, mask, before, after, stats = res.batch, res.mask, res.before, res.after, res.stats
     # weight sync through the trainer's path (EP shards gathered, TP/PP too) into the real embedded engine
     from mcore_rl.rollout.local.engine import LocalEngine
     from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 
     engine = LocalEngine(a.hf) if dist.get_rank() == 0 else None
     sync_weights(policy, engine, version=1)
-    is_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dpr == 0
-    if is_reporter:
+    if res.is_reporter:
         load = {k: v for k, v in stats.items() if k.startswith("moe_load")}
         from mcore_rl.compat import moe as moe_compat
 

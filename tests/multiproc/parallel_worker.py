@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,39 @@ def loss_fn(mb: PolicyBatch, logp: torch.Tensor, ent):
     return -(mb.extras["weight"] * logp).sum(), {}
 
 
+@dataclass
+class StepResult:
+    batch: PolicyBatch
+    mask: torch.Tensor
+    before: torch.Tensor  # log-probs of the fixed batch before the step
+    after: torch.Tensor  # ... and after one optimizer step
+    stats: dict
+    is_reporter: bool  # last PP stage, TP rank 0, DP rank 0: the rank that holds the full log-probs
+
+
+def step_from_shared_checkpoint(policy: Policy, hf: str, ckpt: str, save_init: bool) -> StepResult:
+    """Every layout starts from ONE torch_dist checkpoint (init is not PP-invariant), then takes one step.
+
+    `save_init` (a single-rank run) writes that checkpoint from the HF weights instead of loading it."""
+    if save_init:
+        policy.load_hf(hf)
+        save_dist_checkpoint(ckpt, policy.model, overwrite=True)
+    else:
+        load_dist_checkpoint(ckpt, policy.model)
+        policy._sync_main_params()
+    batch, mask = fixed_batch(policy.args.vocab_size)
+    before = policy.logprobs(batch)
+    # data parallel: each DP rank trains on its own rows; weights are global, so the summed loss is the same
+    from megatron.core import parallel_state as ps
+
+    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = [i for i in range(len(batch)) if i % dp == dpr]
+    _, stats = policy.train_step(batch.select(rows), loss_fn)
+    after = policy.logprobs(batch)
+    is_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dpr == 0
+    return StepResult(batch, mask, before, after, stats, is_reporter)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf", required=True)
@@ -53,26 +87,11 @@ def main() -> None:
                                          use_distributed_optimizer=a.distributed_optimizer),
                        token_budget=48)
     policy = Policy(a.hf, cfg)
-    if a.save_init:
-        policy.load_hf(a.hf)
-        save_dist_checkpoint(a.ckpt, policy.model, overwrite=True)
-    else:
-        load_dist_checkpoint(a.ckpt, policy.model)
-        policy._sync_main_params()
-    batch, mask = fixed_batch(policy.args.vocab_size)
-    before = policy.logprobs(batch)
-    # data parallel: each DP rank trains on its own rows; weights are global, so the summed loss is the same
-    from megatron.core import parallel_state as ps
-
-    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows = [i for i in range(len(batch)) if i % dp == dpr]
-    _, stats = policy.train_step(batch.select(rows), loss_fn)
-    after = policy.logprobs(batch)
-    is_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dpr == 0
-    if is_reporter:
-        torch.save({"before": before * mask, "after": after * mask, "grad_norm": stats["grad_norm"],
-                    "world": layout.world_size}, a.out)
-        print(json.dumps({"grad_norm": stats["grad_norm"]}))
+    res = step_from_shared_checkpoint(policy, a.hf, a.ckpt, a.save_init)
+    if res.is_reporter:
+        torch.save({"before": res.before * res.mask, "after": res.after * res.mask,
+                    "grad_norm": res.stats["grad_norm"], "world": layout.world_size}, a.out)
+        print(json.dumps({"grad_norm": res.stats["grad_norm"]}))
     dist.barrier()
     dist.destroy_process_group()
 
