@@ -15,6 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from mcore_rl.config import register_configs  # noqa: E402
+
+register_configs()  # the schemas hydra_conf/ names in its defaults lists (mcore_rl/config/)
+
 
 def config_dir() -> str:
     """The packaged configs (`mcore_rl/hydra_conf` in a wheel) or, in a source checkout, the repo's hydra_conf/.
@@ -39,8 +43,8 @@ def run_training(cfg: DictConfig) -> dict:
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     from mcore_rl.agreement import FatalRunError
+    from mcore_rl.config import ConfigError
     from mcore_rl.rollout.protocol import EngineFailure
-    from mcore_rl.trainer.setup import ConfigError
 
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s %(name)s] %(message)s")
     try:
@@ -65,13 +69,40 @@ def _hydra_main(cfg: DictConfig) -> None:
         destroy_distributed()
 
 
+def composition_error(e: BaseException) -> str | None:
+    """One line for a config Hydra could not compose (a misspelled key, a bad value type, an unknown group
+    entry), naming the key; None for any other exception."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(e, (HydraException, OmegaConfBaseException)):
+        return None
+    parts: list[str] = []
+    while e is not None and len(parts) < 2:  # Hydra's own line, then OmegaConf's (which names the schema)
+        head = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        if head and "$" not in head and head.rstrip(".") not in parts:
+            parts.append(head.rstrip("."))
+        e = e.__cause__ or e.__context__
+    return "; ".join(parts)
+
+
 def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    _hydra_main()
+    # Hydra re-raises composition errors instead of printing them over several lines: we print one
+    user_full_error = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        _hydra_main()
+    except Exception as e:
+        line = None if user_full_error else composition_error(e)
+        if line is None:
+            raise
+        print(f"config error: {line}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.model import LoadCheckConfig  # noqa: F401  (the schema of model.load_check; re-exported)
+
 MODES = ("auto", "true", "false")
-
-
-@dataclass
-class LoadCheckConfig:
-    enabled: str = "auto"  # auto (models that fit twice in memory) | true | false
-    tol: float = 1e-3  # max |logit difference| allowed (fp32)
 
 
 @dataclass

@@ -8,24 +8,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.config.model import Fp8Config  # noqa: F401  (the schema of model.fp8; re-exported)
 from mcore_rl.models.base import ModelArgs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-
-
-@dataclass
-class Fp8Config:
-    """FP8 training (Transformer Engine only). Mapped 1:1 onto TransformerConfig's fp8_* fields."""
-
-    enabled: bool = False
-    format: str = "hybrid"  # hybrid (e4m3 fwd / e5m2 bwd) | e4m3
-    recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"  # max | most_recent
-    margin: int = 0
-    fp8_param: bool = False  # keep parameters in FP8 (saves memory, needs TE)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -13,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl import fsio
-from mcore_rl.algorithms import build_algorithm
+from mcore_rl.config import ConfigError, OptimSettings, typed_group, validate
 from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
 from mcore_rl.models.moe_spec import validate_moe_parallel
@@ -21,50 +22,27 @@ from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_
 from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import PolicyConfig
 
-
-class ConfigError(ValueError):
-    """A bad setting, reported in one line that names the field."""
-
-
-def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
-    v = OmegaConf.select(cfg, key)
-    if v is None or not isinstance(v, (int, float)) or v < 0 or (v == 0 and not allow_zero):
-        raise ConfigError(f"{key}={v!r} must be {'>= 0' if allow_zero else '> 0'}")
+__all__ = ["ConfigError", "validate_config"]  # ConfigError's home is mcore_rl.config (re-exported here)
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Cheap checks with one-line messages; the heavy objects are built only after these pass."""
-    _positive(cfg, "trainer.steps", allow_zero=True)
-    for key in ("trainer.prompts_per_update", "trainer.samples_per_prompt", "trainer.max_new_tokens",
-                "trainer.token_budget", "eval.samples_per_prompt"):
-        _positive(cfg, key)
-    _positive(cfg, "eval.every", allow_zero=True)
-    _positive(cfg, "trainer.max_nonfinite_skips")
-    _positive(cfg, "eval.num_prompts", allow_zero=True)
-    if cfg.trainer.temperature <= 0:
-        raise ConfigError(f"trainer.temperature={cfg.trainer.temperature} must be > 0 for RL sampling")
-    if cfg.trainer.resume not in ("auto", "never"):
-        raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: expected auto or never")
-    if cfg.model.source not in ("smollm2", "hf", "tiny"):
-        raise ConfigError(f"model.source={cfg.model.source!r}: expected smollm2, hf or tiny")
-    try:
-        build_algorithm(OmegaConf.to_container(cfg.algorithm, resolve=True))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(str(e).strip("'\"")) from None
+    """Cheap checks with one-line messages; the heavy objects are built only after these pass. The checks live in
+    the groups' dataclasses (mcore_rl/config/, `__post_init__`); this runs them all."""
+    validate(cfg)
 
 
 def build_config(cfg: DictConfig) -> BuildConfig:
     m = cfg.model
-    moe = m.get("moe") or {}  # MoE models only (hydra_conf/model/tiny_moe.yaml)
     return BuildConfig(dtype=m.dtype, transformer_impl=m.transformer_impl, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                        sequence_parallel=cfg.parallel.sequence_parallel, fp8=Fp8Config(**m.fp8),
-                       recompute_activations=m.recompute_activations, ep=cfg.parallel.get("ep", 1),
-                       moe_aux_loss_coeff=float(moe.get("aux_loss_coeff", 0.0)),
-                       lm_head_fp32=m.get("lm_head_fp32", False))
+                       recompute_activations=m.recompute_activations, ep=cfg.parallel.ep,
+                       moe_aux_loss_coeff=float(m.moe.aux_loss_coeff) if m.moe is not None else 0.0,
+                       lm_head_fp32=m.lm_head_fp32)
 
 
 def policy_config(cfg: DictConfig) -> PolicyConfig:
-    optim = OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True), decay_steps=max(1, cfg.trainer.steps))
+    settings = typed_group(cfg, "optim", OptimSettings)
+    optim = OptimConfig(**dataclasses.asdict(settings), decay_steps=max(1, cfg.trainer.steps))
     return PolicyConfig(build=build_config(cfg), optim=optim, token_budget=cfg.trainer.token_budget)
 
 
@@ -116,7 +94,7 @@ def check_model_against_parallel(cfg: DictConfig, model_dir: Path) -> None:
         args = family_for(hf).args(hf)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         validate_parallel(args, cfg.parallel.tp, cfg.parallel.pp, world)
-        validate_moe_parallel(args, cfg.parallel.tp, cfg.parallel.get("ep", 1), world, cfg.parallel.pp,
+        validate_moe_parallel(args, cfg.parallel.tp, cfg.parallel.ep, world, cfg.parallel.pp,
                               sequence_parallel=bool(cfg.parallel.sequence_parallel))
         resolve_impl(build_config(cfg))
     except (ValueError, RuntimeError) as e:

@@ -1,0 +1,37 @@
+"""`trainer.*`: how many updates, how big, how sampled, and how the run saves and resumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcore_rl.config.checks import ConfigError, one_of, positive
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20                 # optimizer updates (each round of generation serves mu of them)
+    prompts_per_update: int = 8     # prompts behind one optimizer update (x samples_per_prompt sequences)
+    samples_per_prompt: int = 4     # group size G
+    max_new_tokens: int = 48
+    temperature: float = 0.7
+    top_p: float = 1.0
+    token_budget: int = 512         # tokens per micro-batch (rows x padded length): bounds activation memory
+    resume: str = "auto"            # auto: continue from run.dir/checkpoints/latest if present | never
+    save_every: int = 10            # checkpoint every N steps (0 = only at the end)
+    keep_checkpoints: int = 2
+    export_hf: bool = True          # write an HF folder (run.dir/hf) at the end
+    deterministic: bool = True      # fixed threads + seeds: resumed runs reproduce an uninterrupted run's losses
+    sync_weights: bool = True       # push new weights to the rollout engine after every update
+    max_nonfinite_skips: int = 3    # non-finite updates skipped in a row before the run stops
+
+    def __post_init__(self) -> None:
+        positive("trainer.steps", self.steps, allow_zero=True)
+        for key in ("prompts_per_update", "samples_per_prompt", "max_new_tokens", "token_budget",
+                    "max_nonfinite_skips", "keep_checkpoints"):
+            positive(f"trainer.{key}", getattr(self, key))
+        positive("trainer.save_every", self.save_every, allow_zero=True)
+        if self.temperature <= 0:
+            raise ConfigError(f"trainer.temperature={self.temperature} must be > 0 for RL sampling")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"trainer.top_p={self.top_p} must be in (0, 1]")
+        one_of("trainer.resume", self.resume, ("auto", "never"))
