@@ -85,9 +85,10 @@ def _one_line(e: Exception) -> str:
 
 def typed_group(cfg: DictConfig, key: str, schema: type) -> Any:
     """The group `key` of the composed config as its dataclass instance (runs `__post_init__` validation)."""
-    node = OmegaConf.select(cfg, key)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node if node is not None else {})
+        node = OmegaConf.select(cfg, key)  # resolved in place: interpolations may point anywhere in the root
+        node = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else {}
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
