@@ -109,7 +109,7 @@ def code_names(root: Path, exclude: tuple[Path, ...] = ()) -> set[str]:
     return names
 
 
-OVERRIDE = re.compile(r"^[+~]{0,2}([a-z_][\w]*(?:\.[\w]+)+)=")
+OVERRIDE = re.compile(r"^[+~]{0,2}([a-z_]\w*(?:\.\w+)*)=")
 
 
 def cli_overrides_in_tests(root: Path) -> set[str]:

@@ -1,0 +1,160 @@
+"""Keys no other test set through the CLI, each set here and its effect asserted.
+
+Builder-level checks compose the same override strings the CLI takes and assert what the consumer built; one
+`mcore-rl-train model=tiny` run sets the keys the trainer itself acts on (~30-50 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.config.keyscan import REPO, compose
+
+pytestmark = pytest.mark.e2e
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+# ---- data: builders read every key (no model needed) ------------------------------------------------------------
+def test_arithmetic_keys_shape_the_prompts():
+    from mcore_rl.data.registry import build_dataset
+
+    cfg = compose(["data.size=5", "data.seed=3", "data.ops=[*]", "data.min_operand=2", "data.max_operand=3",
+                   "data.question='Compute {a} {op} {b}.'", "data.prompt_template='Q: {question}'",
+                   "data.system_prompt=Be brief.", "data.prompt_format=chat"])
+    ds = build_dataset(cfg.data)
+    assert len(ds) == 5
+    for r in ds:
+        a, b = r.metadata["a"], r.metadata["b"]
+        assert 2 <= a <= 3 and 2 <= b <= 3 and r.metadata["op"] == "*" and r.answer == str(a * b)
+        assert r.prompt[0] == {"role": "system", "content": "Be brief."}
+        assert r.prompt[-1]["content"] == f"Q: Compute {a} * {b}."
+    other = build_dataset(compose(["data.size=5", "data.seed=4", "data.max_operand=1000"]).data)
+    assert [r.answer for r in other] != [r.answer for r in ds]
+    text = build_dataset(compose(["data.size=2", "data.prompt_format=text"]).data)
+    assert all(isinstance(r.prompt, str) for r in text)
+
+
+def test_jsonl_keys(tmp_path):
+    from mcore_rl.data.registry import build_dataset
+
+    rows = [{"q": {"text": f"What is {i}+{i}?"}, "sol": f"work #### {2 * i}", "uid": f"u{i}", "src": "t"}
+            for i in range(5)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = build_dataset(compose(["data=jsonl", f"data.path={path}", "data.prompt_field=q.text", "data.answer_field=sol",
+                                "data.id_field=uid", "data.metadata_fields=[src]", "data.answer_transform=gsm8k",
+                                "data.limit=3", "data.prompt_format=text"]).data)
+    assert [r.prompt_id for r in ds] == ["u0", "u1", "u2"]
+    assert [r.answer for r in ds] == ["0", "2", "4"] and ds[1].metadata["src"] == "t"
+    wrapped = tmp_path / "train.json"
+    wrapped.write_text(json.dumps({"rows": rows}))
+    ds = build_dataset(compose(["data=jsonl", f"data.path={wrapped}", "data.json_field=rows", "data.prompt_field=q.text",
+                                "data.answer_field=sol", "data.split=train", "data.subset=null",
+                                "data.revision=null"]).data)
+    assert len(ds) == 5
+
+
+def test_reasoning_gym_and_champ_keys():
+    from mcore_rl.data.registry import build_dataset
+
+    pytest.importorskip("reasoning_gym")
+    ds = build_dataset(compose(["data=reasoning_gym", "data.name=basic_arithmetic", "data.size=4", "data.seed=1",
+                                "data.options.min_digits=1", "data.options.max_digits=1",
+                                "data.options.operators=[+]"]).data)
+    assert len(ds) == 4
+    for r in ds:  # operators=[+], one-digit terms: "a + b" with |a|, |b| <= 9
+        terms = r.metadata["expression"].strip("() ").split(" + ")
+        assert len(terms) == 2 and all(abs(int(x)) <= 9 for x in terms), r.metadata["expression"]
+        assert int(r.answer) == sum(int(x) for x in terms)
+    pytest.importorskip("champ_dataset")
+    champ = build_dataset(compose(["data=champ", "data.version=v0", "data.categories=[Inequality]"]).data)
+    assert len(champ) > 0 and {r.metadata.get("category") for r in champ} <= {"Inequality"}
+
+
+# ---- reward: the builder takes every key ----------------------------------------------------------------------
+def test_reward_keys_change_scores():
+    from mcore_rl.rewards import build_reward
+
+    cfg = compose(["reward=math_format", "reward.name=math_verify+format", "reward.weights.format=0.5",
+                   "reward.format.check=boxed", "reward.format.max_chars=64", "reward.math_verify.num_workers=1",
+                   "reward.math_verify.timeout_s=5", "reward.math_verify.max_chars=64",
+                   "reward.math_verify.max_answer_chars=16", "reward.math_verify.max_nesting=8",
+                   "reward.math_verify.mp_context=spawn", "reward.math_verify.max_tasks_per_worker=2",
+                   "reward.math_verify.startup_timeout_s=120", "reward.math_verify.memory_limit_mb=2048"])
+    fn = build_reward(cfg.reward)
+    try:
+        res = fn.score(["so \\boxed{4}", "4", "x" * 200 + " \\boxed{4}"], ["4", "4", "4"])
+    finally:
+        fn.close()
+    # boxed: 1 + 0.5; bare number: 1 (format=boxed refuses it); the boxed answer 200 chars back is read (tail)
+    assert [r.score for r in res] == [1.5, 1.0, 1.5]
+
+
+# ---- model / optim / parallel: what the trainer's builders get -------------------------------------------------
+def test_model_optim_parallel_keys_reach_the_builders():
+    from mcore_rl.trainer.setup import build_config, policy_config
+
+    cfg = compose(["model=tiny_moe", "model.source=tiny", "model.moe.aux_loss_coeff=0.01", "model.lm_head_fp32=true",
+                   "model.tiny.seed=3", "parallel.pp=1", "parallel.ep=1", "optim.lr=3e-4", "optim.min_lr=1e-5",
+                   "optim.adam_beta1=0.8", "optim.adam_beta2=0.95", "optim.adam_eps=1e-6", "optim.weight_decay=0.1",
+                   "optim.clip_grad=0.5", "optim.warmup_steps=2", "optim.decay_style=cosine",
+                   "optim.use_distributed_optimizer=true", "trainer.steps=7"])
+    b = build_config(cfg)
+    assert (b.moe_aux_loss_coeff, b.lm_head_fp32, b.pp, b.ep) == (0.01, True, 1, 1)
+    o = policy_config(cfg).optim
+    assert (o.lr, o.min_lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad, o.warmup_steps,
+            o.decay_style, o.use_distributed_optimizer, o.decay_steps) == (3e-4, 1e-5, 0.8, 0.95, 1e-6, 0.1, 0.5,
+                                                                          2, "cosine", True, 7)
+    assert cfg.model.tiny.seed == 3
+
+
+# ---- the trainer: one CLI run ----------------------------------------------------------------------------------
+def test_trainer_keys_through_the_cli(tmp_path):
+    run_dir, ws = tmp_path / "run", tmp_path / "ws"
+    cmd = [sys.executable, "-m", "mcore_rl.train", "model=tiny", "seed=7", "trainer.steps=2",
+           "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2", "trainer.max_new_tokens=6",
+           "trainer.temperature=1.3", "trainer.top_p=0.9", "trainer.token_budget=24", "trainer.deterministic=true",
+           "trainer.save_every=1", "trainer.keep_checkpoints=1", "trainer.export_hf=false",
+           "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
+           "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1", "optim.decay_style=linear",
+           "algorithm.entropy_coef=0.01",
+           "eval.every=1", "eval.num_prompts=2", "eval.samples_per_prompt=2", "eval.max_new_tokens=3",
+           "eval.temperature=1.0", "eval.seed=5", "eval.data={kind:arithmetic,size:2,seed:11,ops:[-]}",
+           "data.size=2", "data.sampler.shuffle=false", "data.sampler.seed=1",
+           "rollout.engine=local", "rollout.device=cpu", "rollout.dtype=float32", "rollout.max_batch_size=1",
+           "rollout.num_threads=1", "rollout.return_text=true", "rollout.sync_mode=disk", f"rollout.sync_dir={ws}",
+           "rollout.keep_versions=1", "model.load_check.enabled=false", f"run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = _records(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2]
+    # save_every=1 + keep_checkpoints=1: both steps saved, one kept; export_hf/tensorboard/plot off
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000002"]
+    assert not (run_dir / "hf").exists() and not (run_dir / "tensorboard").exists()
+    assert not (run_dir / "curves.png").exists()
+    # disk sync into rollout.sync_dir, keep_versions=1
+    assert [p.name for p in ws.iterdir() if p.name.startswith("v")] == ["v00000002"]
+    # warmup 1 then linear decay towards min_lr: the logged lr moves inside [min_lr, lr]
+    lrs = [r["lr"] for r in recs]
+    assert all(1e-4 <= x <= 1e-3 for x in lrs) and lrs[0] != lrs[1], lrs
+    # trainer.max_new_tokens / eval.max_new_tokens / eval.every=1 / eval.num_prompts
+    assert all(r["response_len_max"] <= 6 for r in recs)
+    evals = _records(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 1, 2] and all(e["response_len"] <= 3 for e in evals)
+    assert all(e["num_prompts"] == 2 and e["k"] == 2 for e in evals)
+    # data.size=2 with 2 prompts per update: the second update starts a new epoch
+    assert recs[-1]["data_epoch"] >= 1
+    assert "load check skipped: model.load_check.enabled=false" in proc.stderr
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    assert (saved.seed, saved.trainer.top_p, saved.trainer.temperature) == (7, 0.9, 1.3)
