@@ -21,25 +21,32 @@ def test_expected_yamls_exist():
     assert {p.stem for p in YAMLS} >= {"grpo", "dapo", "dr_grpo", "mu_grpo", "p3o", "ppo_ewma", "scalerl"}
 
 
+def load_algorithm_yaml(path: Path) -> dict:
+    """A yaml as Hydra composes it: its schema's defaults (named in `defaults`) overlaid with what it sets."""
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    raw.pop("defaults", None)
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(config_class(raw["name"])), raw))
+
+
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)
 def test_yaml_validates_and_builds(path):
     cfg = OmegaConf.load(path)
     assert cfg.name in registered_algorithms()
-    schema = OmegaConf.structured(config_class(cfg.name))
-    OmegaConf.merge(schema, cfg)                       # raises on unknown keys / wrong types
-    alg = build_algorithm(cfg)
+    assert list(cfg.defaults) == [f"/schema/algorithm/{cfg.name}@_here_", "_self_"]
+    alg = build_algorithm(load_algorithm_yaml(path))
     assert isinstance(alg, Algorithm) and alg.name == cfg.name
-    # the yaml spells out every field (so it documents the schema), and its values are what the build holds
-    assert set(cfg.keys()) == {f.name for f in dataclasses.fields(config_class(cfg.name))}
+    # what the yaml sets is what the build holds (the rest are the dataclass defaults: tests/config)
     for key, value in OmegaConf.to_container(cfg).items():
+        if key == "defaults":
+            continue
         got = getattr(alg.config, key)
         assert (dataclasses.asdict(got) if dataclasses.is_dataclass(got) else got) == value, key
 
 
 def test_presets_and_trainer_fields():
-    mu = build_algorithm(OmegaConf.load(YAML_DIR / "mu_grpo.yaml")).config
+    mu = build_algorithm(load_algorithm_yaml(YAML_DIR / "mu_grpo.yaml")).config
     assert (mu.schedule, mu.stages, mu.updates_per_stage, mu.eps_low, mu.eps_high) == ("staged", 4, 1024, 1.0, 4.0)
-    grpo = build_algorithm(OmegaConf.load(YAML_DIR / "grpo.yaml"))
+    grpo = build_algorithm(load_algorithm_yaml(YAML_DIR / "grpo.yaml"))
     assert (grpo.config.schedule, grpo.config.updates_per_rollout, grpo.config.old_logp_source) == ("sync", 4,
                                                                                                    "recompute")
     assert grpo.needs_old_logp and grpo.needs_ref_logp and not grpo.needs_prox_logp
@@ -90,6 +97,8 @@ def test_token_batch_missing_or_misshaped_field():
 @pytest.mark.parametrize("name", ["grpo", "mu_grpo", "scalerl"])
 def test_hydra_compose_of_algorithm_group(name):
     from hydra import compose, initialize_config_dir
+
+    import mcore_rl.config  # noqa: F401  (registers the schemas the algorithm yamls name)
 
     with initialize_config_dir(config_dir=str(YAML_DIR.parent), version_base=None):
         cfg = compose(overrides=[f"+algorithm={name}", "algorithm.kl_coef=0.5"])

@@ -240,10 +240,13 @@ def engine_kwargs_from_yaml(name: str, **overrides) -> tuple[str, dict]:
 
     from omegaconf import OmegaConf
 
+    from mcore_rl.config import ROLLOUT_SCHEMAS
+
     yaml = Path(__file__).resolve().parents[2] / "hydra_conf" / "rollout" / f"{name}.yaml"
-    cfg = OmegaConf.merge(
-        {"run": {"dir": "/tmp/mcore-rl-run"}}, {"rollout": OmegaConf.load(yaml)}, {"rollout": overrides}
-    )
+    raw = OmegaConf.load(yaml)
+    raw.pop("defaults")  # the yaml names its schema there: merge onto it as Hydra does
+    rollout = OmegaConf.merge(OmegaConf.structured(ROLLOUT_SCHEMAS[name]), raw)
+    cfg = OmegaConf.merge({"run": {"dir": "/tmp/mcore-rl-run"}}, {"rollout": rollout}, {"rollout": overrides})
     rc = OmegaConf.to_container(cfg.rollout, resolve=True)
     engine = rc.pop("engine")
     from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS
