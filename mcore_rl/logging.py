@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mcore_rl.config.logs import LoggingConfig
+
 
 def memory_gb() -> dict[str, float]:
     """Resident and peak resident memory of this process (Linux /proc), in GB."""
@@ -25,7 +27,7 @@ class MetricsLogger:
     """Rank-0 sink. `log(step, metrics)` appends one JSON line and one TensorBoard scalar per metric (NaN and inf
     included: they are logged as such)."""
 
-    def __init__(self, run_dir: str | Path, cfg: Any | None = None, enabled: bool = True, config: dict | None = None):
+    def __init__(self, run_dir: str | Path, cfg: LoggingConfig | Any | None = None, enabled: bool = True, config: dict | None = None):
         self.dir = Path(run_dir)
         self.enabled = enabled
         self.jsonl = self.dir / "metrics.jsonl"
@@ -34,14 +36,16 @@ class MetricsLogger:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        if cfg is None or cfg.get("tensorboard", True):
+        if cfg is not None and not isinstance(cfg, LoggingConfig):  # the `logging` group as a dict / DictConfig
+            cfg = LoggingConfig(**cfg)
+        if cfg is None or cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.dir / "tensorboard"))
-        if cfg is not None and cfg.get("wandb", False):
+        if cfg is not None and cfg.wandb:
             import wandb  # optional dependency
 
-            self._wandb = wandb.init(project=cfg.get("wandb_project", "mcore-rl"), config=config, dir=str(self.dir))
+            self._wandb = wandb.init(project=cfg.wandb_project, config=config, dir=str(self.dir))
 
     def _write(self, path: Path, record: dict) -> None:
         with path.open("a") as f:
