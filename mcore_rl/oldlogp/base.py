@@ -81,9 +81,10 @@ class OldLogpSource:
 
     def metrics(self) -> dict[str, float]:
         m = dict(self._metrics)
-        if self.store is not None:
-            m["old_logp_snapshots"] = float(len(self.store.versions))
-            m["old_logp_snapshot_gb"] = self.store.nbytes / 2**30
+        if self.store is not None:  # the source's own copies, or the audit's (measurement overhead only)
+            kind = "snapshot" if self.keeps_versions else "audit_store"
+            m[f"old_logp_{kind}s"] = float(len(self.store.versions))
+            m[f"old_logp_{kind}_gb"] = self.store.nbytes / 2**30
         engine = self.ctx.engine
         if self.needs_interrupt and engine is not None and hasattr(engine, "stats"):
             m["old_logp_regenerated_samples"] = float(engine.stats.regenerated)

@@ -6,7 +6,8 @@ scores the same tokens against a reference built from each version's HF folder (
 The reference: for each weight version v present in the consumed tokens, a fresh forward-only Policy loads
 v's folder (v0 = the initial model) and scores every recorded row; each token takes the value of its own
 version. The recorded `recompute` is the trainer's forward with its live weights on the same rows, just before
-the source runs (what old_logp_source=recompute would have used).
+the source runs (what old_logp_source=recompute would have used). Rank 0 pauses the engine while the trainer
+trains (see below) so that weight updates land mid-sample deterministically.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HOLD_AFTER_TOKENS = 16
 
 
 def main(out: str, overrides: list[str]) -> None:
@@ -42,6 +45,28 @@ def main(out: str, overrides: list[str]) -> None:
         return out_
 
     run.anchors = recording_anchors
+    if run.engine is not None:  # rank 0: an engine slower than the trainer, made deterministic
+        # generation runs only while the trainer waits for its round; it is paused (KV cache kept) from the
+        # moment a round is handed over until the weight sync, so each sync lands in the middle of the next
+        # sample and that sample's tokens span two versions (interrupt mode restarts it instead)
+        generate, sync = run.generate, run.sync_weights
+
+        def held_generate(n):
+            out_ = generate(n)
+            deadline = time.monotonic() + 5.0  # let the next sample get some tokens in before holding it
+            while run.engine.num_running and time.monotonic() < deadline:
+                if max((len(r.out) for r in list(run.engine._batch.rows)), default=0) >= HOLD_AFTER_TOKENS:
+                    break
+                time.sleep(0.005)
+            run.engine.pause("in_place")
+            return out_
+
+        def resuming_sync(bump=True):
+            out_ = sync(bump)
+            run.engine.resume()
+            return out_
+
+        run.generate, run.sync_weights = held_generate, resuming_sync
     train(run)
 
     from mcore_rl.policy.policy import Policy
