@@ -20,6 +20,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HOLD_AFTER_TOKENS = 16
+HOLD_AFTER_SAMPLES = 2
 
 
 def main(out: str, overrides: list[str]) -> None:
@@ -46,16 +47,18 @@ def main(out: str, overrides: list[str]) -> None:
 
     run.anchors = recording_anchors
     if run.engine is not None:  # rank 0: an engine slower than the trainer, made deterministic
-        # generation runs only while the trainer waits for its round; it is paused (KV cache kept) from the
-        # moment a round is handed over until the weight sync, so each sync lands in the middle of the next
-        # sample and that sample's tokens span two versions (interrupt mode restarts it instead)
+        # generation is paused (KV cache kept) from shortly after a round is handed over until the weight sync:
+        # by then a few samples of the rounds ahead have finished (stale when consumed) and one is half-way, so
+        # each sync lands mid-sample and that sample spans two versions (interrupt mode restarts it instead)
         generate, sync = run.generate, run.sync_weights
 
         def held_generate(n):
             out_ = generate(n)
-            deadline = time.monotonic() + 5.0  # let the next sample get some tokens in before holding it
-            while run.engine.num_running and time.monotonic() < deadline:
-                if max((len(r.out) for r in list(run.engine._batch.rows)), default=0) >= HOLD_AFTER_TOKENS:
+            deadline = time.monotonic() + 10.0  # let samples of the next round finish (they will be stale when
+            while run.engine.num_running and time.monotonic() < deadline:  # consumed) and one get half-way
+                done = len(run._finished_samples())
+                longest = max((len(r.out) for r in list(run.engine._batch.rows)), default=0)
+                if done >= HOLD_AFTER_SAMPLES and longest >= HOLD_AFTER_TOKENS:
                     break
                 time.sleep(0.005)
             run.engine.pause("in_place")
