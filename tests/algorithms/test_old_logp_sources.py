@@ -137,3 +137,13 @@ def test_old_logit_model_scores_finished_samples_at_their_version(policy, tiny_l
 def test_single_version_check_names_spanning_rows():
     with pytest.raises(RuntimeError, match=r"rows \[1\] span several weight versions"):
         check_single_version(_rb(_samples([[0, 0], [0, 1]])))
+
+
+def test_interrupt_needs_an_engine_that_can_restart_samples():
+    class NoInterruptEngine:  # e.g. the SGLang remote engine: no set_interrupt_on_update
+        pass
+
+    for name in ("interrupt", "old_logit_model"):
+        with pytest.raises(ValueError, match=f"old_logp_source={name}: rollout engine NoInterruptEngine cannot"):
+            build_source(name, SourceContext(policy=None, temperature=1.0, staleness=1, engine=NoInterruptEngine(),
+                                             make_policy=lambda: None))
