@@ -29,11 +29,15 @@ def async_run(tmp_path: Path, source: str, nproc: int = 1, *extra: str) -> dict:
 
 
 def check_exact(res: dict, source: str) -> None:
+    m = res["metrics"]
+    print(f"{source}: max|old-ref|={res['max_diff']:.3g} recompute max|diff| on stale tokens="
+          f"{res['recompute_max_diff_stale']:.3g} stale tokens={res['stale_tokens']}/{res['tokens']} "
+          f"spanning rows={res['spanning_rows']} versions={res['versions']} "
+          f"regenerated={m.get('old_logp_regenerated_samples')} snapshots={m.get('old_logp_snapshots')}")
     assert res["rounds"] == 5 and len(res["versions"]) >= 3, res
     assert res["stale_tokens"] > 0, "no stale tokens: the run never consumed an older version's tokens"
     assert res["max_diff"] <= 1e-6, (source, res["max_diff"])
     assert res["recompute_max_diff_stale"] > 1e-3, res  # the current weights give the wrong anchor
-    m = res["metrics"]
     if source == "snapshot":
         assert res["spanning_rows"] >= 1, res  # weights changed mid-sample and the sample kept both versions
         assert 1 <= m["old_logp_snapshots"] <= 3  # bounded by max_staleness + 1
