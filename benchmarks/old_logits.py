@@ -1,7 +1,7 @@
 """Old-log-prob sources side by side: SmolLM2-135M, async PipelineRL-k (k=2), the same run once per source.
 
 Usage: python benchmarks/old_logits.py [--updates 8] [--prompts 2] [--samples 2] [--max-new-tokens 32]
-                                        [--audit-frac 0.25] [--sources rollout,recompute,...] [--workdir DIR]
+                                        [--audit-frac 0.25] [--dtype fp32|bf16] [--sources rollout,recompute,...] [--workdir DIR]
 
 Per source: seconds per update (steady state: wall-clock between the first and the last update's metrics
 records, over the updates between them), the source's extra memory (host weight copies for snapshot /
@@ -37,7 +37,8 @@ def run_source(src: str, a: argparse.Namespace, root: Path) -> dict:
            f"trainer.steps={a.updates}", f"trainer.prompts_per_update={a.prompts}",
            f"trainer.samples_per_prompt={a.samples}", f"trainer.max_new_tokens={a.max_new_tokens}",
            "trainer.save_every=0", "trainer.export_hf=false", "eval.num_prompts=0", "logging.plot=false",
-           "logging.progress=false", "logging.tensorboard=false", "model.load_check.enabled=false"]
+           "logging.progress=false", "logging.tensorboard=false", "model.load_check.enabled=false",
+           f"model.dtype={a.dtype}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -69,12 +70,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--audit-frac", type=float, default=0.25)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--dtype", default="fp32", help="fp32: the audit's noise floor is ~1e-6; in bf16 scoring a "
+                    "row subset (the audit) vs the whole batch alone differs by ~1e-3 (batch-shape rounding)")
     ap.add_argument("--sources", default=",".join(SOURCES))
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
     root = Path(a.workdir or tempfile.mkdtemp(prefix="old_logits_"))
     rows = [run_source(s, a, root) for s in a.sources.split(",")]
-    print(f"SmolLM2-135M, async k={a.k}, {a.updates} updates, {a.prompts} prompts x {a.samples} samples, "
+    print(f"SmolLM2-135M {a.dtype}, async k={a.k}, {a.updates} updates, {a.prompts} prompts x {a.samples} samples, "
           f"{a.max_new_tokens} new tokens, audit on {a.audit_frac:.0%} of rows")
     head = (f"{'source':<16} {'s/update':>9} {'extra GB':>9} {'copies':>6} {'old-logit err':>13} "
             f"{'err max':>9} {'stale tok':>9} {'regen':>6} {'peak RSS GB':>11}")
