@@ -40,7 +40,7 @@ from mcore_rl.algorithms.ops import k3, masked_mean, to_floats
 from mcore_rl.algorithms.reduce import Reducer, identity_reduce, stack_sums
 
 SCHEDULES = ("sync", "staged", "async")
-OLD_LOGP_SOURCES = ("rollout", "recompute", "snapshot")
+OLD_LOGP_SOURCES = ("rollout", "recompute", "snapshot", "old_logit_model", "interrupt")  # mcore_rl/oldlogp/
 RENORM_MODES = ("none", "deferred", "microbatch")
 
 
@@ -106,9 +106,13 @@ class AlgorithmConfig:
     stages: int = 1                    # staged: number of stages S (engine released while training)
     updates_per_stage: int = 1         # staged: optimizer updates per stage (mu of Mu-GRPO)
     max_staleness: int = 0             # async: max policy versions a sample may lag (k of PipelineRL-k)
-    old_logp_source: str = "recompute"  # rollout: anchor = rollout log-probs | recompute: trainer forward at the
-    #                                     behaviour weights before the first update | snapshot: recompute with
-    #                                     each sample's generating weight version
+    old_logp_source: str = "recompute"  # rollout: anchor = rollout log-probs | recompute: trainer forward with
+    #   the current weights before the first update (exact only on-policy) | snapshot: each token scored under
+    #   the version that generated it (host copies of <= k+1 versions) | old_logit_model: a forward-only model
+    #   holding the behaviour version scores samples as they finish (engine interrupt mode) | interrupt: the
+    #   engine restarts in-flight samples at each weight update; scored at their one version (docs/old_logits.md)
+    old_logp_audit_frac: float = 0.0   # > 0: measure the missing-old-logit error on this fraction of each round's
+    #                                    rows (keeps host weight copies for sources that have none)
     dynamic_sampling: bool = False     # DAPO: keep sampling until the batch is full of non-zero-variance groups
     max_sampling_rounds: int = 3       # cap on those extra sampling rounds
     retire_pass_rate: float | None = None  # ScaleRL no-positive-resampling: retire prompts with pass rate >= this
@@ -144,6 +148,8 @@ class AlgorithmConfig:
         for key in ("max_staleness", "overlong_buffer_len", "kl_coef", "entropy_coef", "adv_eps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{owner}: {key} must be >= 0, got {getattr(self, key)}")
+        if not 0.0 <= self.old_logp_audit_frac <= 1.0:
+            raise ValueError(f"{owner}: old_logp_audit_frac must be in [0, 1], got {self.old_logp_audit_frac}")
         if self.retire_pass_rate is not None and not 0 < self.retire_pass_rate <= 1:
             raise ValueError(f"{owner}: retire_pass_rate must be in (0, 1] or null, got {self.retire_pass_rate}")
         needs_len = self.overlong_buffer_len > 0 or self.loss_agg_mode == "seq-mean-token-sum-norm"
@@ -174,7 +180,7 @@ class Algorithm:
     # ---- what the trainer must compute -------------------------------------------------------------
     @property
     def needs_old_logp(self) -> bool:
-        return self.config.old_logp_source in ("recompute", "snapshot")
+        return self.config.old_logp_source != "rollout"  # every other source yields a trainer-side old_logp
 
     @property
     def needs_prox_logp(self) -> bool:

@@ -43,6 +43,7 @@ def train(run) -> dict[str, float]:
                 run.engine_call("release_memory")
         with timed(times, "time_old_logp"):
             anchors = run.anchors(rb)  # old_logp (recompute) and ref_logp for the whole round
+        rollout_metrics.update(run.oldlogp.metrics())  # oldlogp hook: snapshot memory, missing-old-logit error
         for u in range(n_up):
             rows = update_rows(rb.group_ids, n_up, u, run.dp, run.dp_rank)
             part = {k: v[rows] for k, v in anchors.items()}

@@ -123,6 +123,19 @@ class Run:
             self.compute = ComputeMeter(model_flops(self.model_dir), dist.get_world_size() if dist.is_initialized()
                                         else 1, torch.cuda.is_available())
         self._resume_or_start()
+        # >>> oldlogp hook 1/3: the old-log-prob source (mcore_rl/oldlogp), told about the starting version
+        from mcore_rl.oldlogp import SourceContext, build_source
+
+        self.oldlogp = build_source(ac.old_logp_source, SourceContext(
+            policy=self.policy, temperature=cfg.trainer.temperature, staleness=self.async_k, engine=self.engine,
+            make_policy=lambda: Policy(self.model_dir, policy_config(cfg), trainable=False),
+            audit_frac=ac.old_logp_audit_frac, seed=cfg.seed))
+        self.oldlogp.on_version(self.version, self._finished_samples if self.rank == 0 else None)
+        # <<< oldlogp hook 1/3
+
+    def _finished_samples(self) -> list:  # oldlogp: finished, unconsumed samples of the rounds in flight (rank 0)
+        return [f.result() for futures, _, _ in self._pending for f in futures
+                if f.done() and not f.cancelled() and f.exception() is None]
 
     # ---- setup helpers -----------------------------------------------------------------------------------
     def _init_weights(self) -> None:
@@ -286,8 +299,9 @@ class Run:
         out: dict[str, torch.Tensor] = {}
         T = self.cfg.trainer.temperature
         batch = rb.policy_batch()
-        if self.algorithm.needs_old_logp:
-            out["old_logp"] = self._last_stage(self.policy.logprobs(batch, T), rb)
+        old = self.oldlogp.old_logp(rb, self.version)  # oldlogp hook 2/3 (None: anchor on the rollout log-probs)
+        if old is not None or self.algorithm.needs_old_logp:
+            out["old_logp"] = self._last_stage(old, rb)
         if self.ref is not None:
             out["ref_logp"] = self._last_stage(self.ref.logprobs(batch, T), rb)
         return out
@@ -311,8 +325,11 @@ class Run:
         rc = self.cfg.rollout
         opts = SyncOptions(sync_dir=rc.get("sync_dir"), config_dir=self.model_dir,
                            keep_versions=rc.get("keep_versions", 2), bucket_mb=rc.get("bucket_mb", 512.0))
-        return sync_weights(self.policy, self.engine, self.version, mode=rc.get("sync_mode", "tensor") or "tensor",
-                            options=opts)
+        out = sync_weights(self.policy, self.engine, self.version, mode=rc.get("sync_mode", "tensor") or "tensor",
+                           options=opts)
+        if bump:  # oldlogp hook 3/3: a new version, after the engine holds it
+            self.oldlogp.on_version(self.version, self._finished_samples if self.rank == 0 else None)
+        return out
 
     def log(self, metrics: dict[str, float]) -> None:
         if self.rank != 0:

@@ -50,6 +50,7 @@ class _Row:
     index: int
     future: Future
     generator: torch.Generator
+    seed: int  # the generator's seed: an interrupted row restarts from its prompt with the same draws
     stop_ids: frozenset[int]
     max_len: int  # model context limit
     out: list[int] = field(default_factory=list)
@@ -66,6 +67,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=100_000))  # rows per decode step
+    regenerated: int = 0  # samples restarted from their prompt by a weight update (interrupt mode)
 
 
 def load_named_tensors(
@@ -137,6 +139,7 @@ class LocalEngine:
         self.return_text = return_text
         self._seed_rng = random.Random(seed)
         self._version = int(weight_version)
+        self.interrupt_on_update = False  # see set_interrupt_on_update
         self.stats = EngineStats()
         # shared state, guarded by _cv
         self._cv = threading.Condition()
@@ -205,10 +208,30 @@ class LocalEngine:
         with self._model_lock:
             n = load_named_tensors(self._params, named_tensors)
             self._version = int(version)
+            if self.interrupt_on_update:
+                self._restart_in_flight()
         log.info("local engine: loaded %d tensors, weight_version=%d", n, version)
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         self.update_weights(iter_safetensors(path), version)
+
+    def set_interrupt_on_update(self, enabled: bool = True) -> None:
+        """Interrupt mode (old_logp_source=interrupt|old_logit_model): every weight update restarts the samples in
+        flight from their prompt under the new weights (same seed), so each finished sample's tokens all carry one
+        weight version. Costs the discarded tokens (stats.regenerated counts restarted samples)."""
+        self.interrupt_on_update = bool(enabled)
+
+    def _restart_in_flight(self) -> None:
+        """Caller holds _model_lock (no decode step runs): rows with tokens go back to the queue's front."""
+        rows = [r for r in self._batch.rows if r.finish is None]
+        for row in rows:
+            row.out, row.logprobs, row.versions = [], [], []
+            row.generator = torch.Generator().manual_seed(row.seed)
+        self._batch.reset()
+        with self._cv:
+            self._pending.extendleft(reversed(rows))
+            self._cv.notify_all()
+        self.stats.regenerated += len(rows)
 
     def set_weight_version(self, version: int) -> None:
         """Re-tag without loading weights (SGLang's /update_weight_version)."""
@@ -286,10 +309,11 @@ class LocalEngine:
         if max(req.prompt_ids) >= self._vocab or min(req.prompt_ids) < 0:
             raise ValueError(f"request {req.rid!r}: prompt token id out of range [0, {self._vocab})")
         seed = sample_seed(sp.seed, j)
-        gen = torch.Generator().manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
+        seed = seed if seed is not None else self._seed_rng.getrandbits(63)
+        gen = torch.Generator().manual_seed(seed)
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
         return _Row(
-            req=req, index=j, future=Future(), generator=gen, stop_ids=stop_ids, max_len=self._max_len
+            req=req, index=j, future=Future(), generator=gen, seed=seed, stop_ids=stop_ids, max_len=self._max_len
         )
 
     def _finish_check(self, row: _Row, token: int) -> None:

@@ -1,0 +1,127 @@
+"""`old_logit_model`: a dedicated forward-only copy of the policy that holds the behaviour version and scores
+samples as they finish, before it moves on to the next version (no per-version snapshots kept).
+
+Partial rollouts: a sample generated across a weight update would need two behaviour models. We combine with the
+engine's interrupt mode instead: at each weight update the engine restarts in-flight samples from their prompt,
+so every finished sample carries exactly one version. At each new version v+1 (after the engine holds it, so no
+more version-v tokens can appear), the model -- still holding v -- scores every finished, not yet consumed
+version-v sample, caches its log-probs (keyed by token content and version), and then loads v+1. Samples that
+finish under the trainer's current version are scored when their round is consumed. Exact: each token is scored
+by a model holding its own version.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.oldlogp.base import OldLogpSource, SourceContext
+from mcore_rl.oldlogp.interrupt import check_single_version
+from mcore_rl.oldlogp.registry import register_source
+
+
+def _broadcast(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _row_key(tokens: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor) -> tuple | None:
+    pos = (mask > 0).nonzero().flatten()
+    if pos.numel() == 0:
+        return None
+    end = int(pos.max()) + 1
+    return tuple(tokens[:end].tolist()), int(versions[pos].max())
+
+
+@register_source("old_logit_model")
+class OldLogitModelSource(OldLogpSource):
+    needs_interrupt = True
+
+    def __init__(self, ctx: SourceContext) -> None:
+        super().__init__(ctx)
+        if ctx.make_policy is None:
+            raise ValueError("old_logp_source=old_logit_model needs a policy factory")
+        self.model = ctx.make_policy()
+        self.held: int | None = None
+        self.cache: dict[tuple, list] = {}  # (tokens, version) -> [log-probs row, samples not yet consumed]
+        self.seen: set[tuple] = set()  # (rid, sample_index, version) scored at a hook
+        self.scored_early = 0
+
+    def _load(self, version: int) -> None:
+        src = dict(self.ctx.policy.gpt.named_parameters())
+        with torch.no_grad():
+            for name, p in self.model.gpt.named_parameters():
+                p.copy_(src[name])
+        self.held = version
+
+    def on_version(self, version: int, finished=None) -> None:
+        super().on_version(version, finished)
+        if self.held is not None and version != self.held:
+            self._score_finished(finished)
+        self._load(version)
+
+    def _score_finished(self, finished) -> None:
+        from mcore_rl.trainer.rollout_batch import build_rollout_batch
+
+        todo = None
+        if finished is not None:  # rank 0
+            todo = []
+            for s in finished():
+                if not s.output_ids:
+                    continue
+                ident = (s.rid, s.sample_index, max(s.weight_versions))
+                if ident in self.seen or ident[2] != self.held:
+                    continue  # already scored, or generated under the new version (scored later)
+                self.seen.add(ident)
+                todo.append(s)
+        todo = _broadcast(todo) or []
+        if not todo:
+            return
+        n = len(todo)
+        rb = build_rollout_batch(todo, [0.0] * n, [False] * n, list(range(n)))
+        check_single_version(rb)
+        logp = self.model.logprobs(rb.policy_batch(), self.ctx.temperature)
+        for i in range(n):
+            key = _row_key(rb.tokens[i], rb.loss_mask[i], rb.versions[i])
+            entry = self.cache.setdefault(key, [None if logp is None else logp[i].clone(), 0])
+            entry[1] += 1  # identical samples (same tokens, same version) share one entry
+        self.scored_early += n
+
+    def compute(self, rb, version: int):
+        check_single_version(rb)
+        keys = [_row_key(rb.tokens[i], rb.loss_mask[i], rb.versions[i]) for i in range(len(rb))]
+        miss = [i for i, k in enumerate(keys) if k is not None and k not in self.cache]
+        wrong = [keys[i][1] for i in miss if keys[i][1] != self.held]
+        if wrong:
+            raise RuntimeError(f"old_logit_model holds version {self.held} but unscored samples carry versions "
+                               f"{sorted(set(wrong))}: they finished without being scored at their version")
+        fresh = self.model.logprobs(rb.select(miss).policy_batch(), self.ctx.temperature) if miss else None
+        last = self.model.is_last_stage()
+        out = torch.zeros_like(rb.rollout_logp) if last else None
+        if last:
+            for j, i in enumerate(miss):
+                out[i] = fresh[j, :out.shape[1]]
+            for i, k in enumerate(keys):
+                if k is not None and i not in miss:
+                    row = self.cache[k][0]
+                    n = min(row.shape[0], out.shape[1])
+                    out[i, :n] = row[:n]
+        for k in keys:
+            if k in self.cache:
+                self.cache[k][1] -= 1
+                if self.cache[k][1] <= 0:
+                    del self.cache[k]
+        floor = version + 1 - self.ctx.staleness  # entries older than this can never be consumed any more
+        self.cache = {k: e for k, e in self.cache.items() if k[1] >= floor}
+        self.seen = {s for s in self.seen if s[2] >= floor}
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        m = super().metrics()
+        m["old_logit_model_gb"] = sum(p.numel() * p.element_size() for p in self.model.gpt.parameters()) / 2**30
+        m["old_logp_scored_early"] = float(self.scored_early)
+        m["old_logp_cached"] = float(len(self.cache))
+        return m

@@ -1,0 +1,30 @@
+"""`mcore-rl-train` with an exact old-log-prob source and the audit metric, through the real CLI (tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_train_tiny import records, run, train_cmd
+
+pytestmark = [pytest.mark.e2e, pytest.mark.algorithms]
+
+
+def test_cli_async_snapshot_logs_memory_and_missing_old_logit_error(tmp_path):
+    proc = run(train_cmd("trainer.steps=3", f"run.dir={tmp_path}", "algorithm.schedule=async",
+                         "algorithm.max_staleness=1", "algorithm.old_logp_source=snapshot",
+                         "algorithm.old_logp_audit_frac=1.0", "algorithm.entropy_coef=0.01", "optim.lr=1e-3",
+                         "eval.num_prompts=0", "trainer.export_hf=false", "logging.plot=false"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    for r in recs:
+        assert 1 <= r["old_logp_snapshots"] <= 2  # max_staleness + 1
+        assert r["old_logp_snapshot_gb"] > 0
+        assert r["old_logp_error"] <= 1e-6  # snapshot is exact: the audit agrees with it
+    assert max(r["old_logp_stale_token_frac"] for r in recs) > 0  # async k=1: some rounds were stale
+
+
+def test_cli_rejects_unknown_source(tmp_path):
+    proc = run(train_cmd("trainer.steps=1", f"run.dir={tmp_path}", "algorithm.old_logp_source=exactish"))
+    assert proc.returncode != 0
+    assert "old_logp_source='exactish' is not one of" in proc.stderr
