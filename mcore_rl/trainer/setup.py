@@ -32,6 +32,14 @@ def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={v!r} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def algorithm_spec(cfg: DictConfig) -> dict:
+    """The algorithm's config dict; `max_response_len: null` means the rollout's own cap, trainer.max_new_tokens."""
+    spec = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    if spec.get("max_response_len") is None:
+        spec["max_response_len"] = int(cfg.trainer.max_new_tokens)
+    return spec
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Cheap checks with one-line messages; the heavy objects are built only after these pass."""
     _positive(cfg, "trainer.steps", allow_zero=True)
@@ -48,7 +56,7 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.model.source not in ("smollm2", "hf", "tiny"):
         raise ConfigError(f"model.source={cfg.model.source!r}: expected smollm2, hf or tiny")
     try:
-        build_algorithm(OmegaConf.to_container(cfg.algorithm, resolve=True))
+        build_algorithm(algorithm_spec(cfg))
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
 
