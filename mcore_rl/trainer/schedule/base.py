@@ -67,6 +67,10 @@ class _Request:
                     self.samples = got
         return self.samples
 
+    def result(self) -> list[Sample]:
+        """The samples of a request whose futures are done (raises the engine's error, if any)."""
+        return self.finished() or [f.result() for f in self.futures]
+
 
 @dataclass
 class _Round:
@@ -137,11 +141,11 @@ class Schedule:
         if not self._wait(rnd.futures()):
             self.run.engine.abort(None)
             return None
-        return Generated(index, [r.prompt for r in rnd.requests], [s for r in rnd.requests for s in r.finished()])
+        return Generated(index, [r.prompt for r in rnd.requests], [s for r in rnd.requests for s in r.result()])
 
     def _accept(self, rnd: _Round) -> Generated:
         reqs = rnd.requests
-        return Generated(rnd.index, [r.prompt for r in reqs], [s for r in reqs for s in r.finished()])
+        return Generated(rnd.index, [r.prompt for r in reqs], [s for r in reqs for s in r.result()])
 
     def _fill(self, num_updates: int) -> None:
         """Top `pending` up to depth + 1 rounds, all new rounds in ONE engine call (a deterministic batch)."""

@@ -44,7 +44,7 @@ class AsyncSchedule(Schedule):
         version = self.run.version
         fresh, lags = [], []
         for r in rnd.requests:
-            lag = staleness(version, r.samples)
+            lag = staleness(version, r.result())
             lags.append(lag)
             if lag <= self.max_staleness:
                 fresh.append(r)
@@ -55,7 +55,7 @@ class AsyncSchedule(Schedule):
         self.totals[key] += n_stale
         metrics = {"stale_groups": float(n_stale), "staleness_checked_max": float(max(lags, default=0)),
                    "inflight_rounds": float(len(self.pending)), **self.totals}
-        return Generated(rnd.index, [r.prompt for r in fresh], [s for r in fresh for s in r.samples], metrics)
+        return Generated(rnd.index, [r.prompt for r in fresh], [s for r in fresh for s in r.result()], metrics)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "totals": dict(self.totals)}
