@@ -184,9 +184,11 @@ class Run:
             "accuracy": rb.correct.mean().item(), "response_len": lengths.mean().item(),
             "response_len_max": lengths.max().item(), "truncation_rate": rb.truncated.mean().item(),
             "rollout_tokens": lengths.sum().item(), "weight_version": float(self.version),
-            "staleness_max": float(self.version - rb.versions[rb.loss_mask > 0].min().item())
-            if rb.loss_mask.sum() > 0 else 0.0,
         }
+        tok_versions = rb.versions[rb.loss_mask > 0].double()
+        if tok_versions.numel():  # per-token lag behind the trainer: a weight update mid-sample shows here
+            metrics["staleness_max"] = float(self.version - tok_versions.min().item())
+            metrics["staleness_mean"] = float(self.version - tok_versions.mean().item())
         if self.rank == 0:
             metrics.update(rank0)
             metrics.update(self.data.metrics())
