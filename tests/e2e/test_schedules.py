@@ -46,6 +46,8 @@ ASYNC = ["schedule=async", "algorithm.max_staleness=2", "trainer.deterministic=t
          "trainer.save_every=2", "optim.lr=1e-3", "algorithm.entropy_coef=0.01"]
 
 
+@pytest.mark.faults
+@pytest.mark.slow  # three runs: ~75 s of CPU, 1.5-3 min wall
 def test_async_k2_sigkill_after_checkpoint_resumes_exactly(sevens, tmp_path):
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
     proc = _train([*sevens, *ASYNC, f"run.dir={ref_dir}"])
