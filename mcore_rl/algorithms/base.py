@@ -40,6 +40,7 @@ from mcore_rl.algorithms.ops import k3, masked_mean, to_floats
 from mcore_rl.algorithms.reduce import Reducer, identity_reduce, stack_sums
 
 SCHEDULES = ("sync", "staged", "async")
+STALE_POLICIES = ("drop", "requeue")
 OLD_LOGP_SOURCES = ("rollout", "recompute", "snapshot", "old_logit_model", "interrupt")  # mcore_rl/oldlogp/
 RENORM_MODES = ("none", "deferred", "microbatch")
 
@@ -103,9 +104,10 @@ class AlgorithmConfig:
     # --- training loop (trainer reads these) ---
     schedule: str = "sync"             # sync: generate then updates | staged: Mu-GRPO stages | async: PipelineRL-k
     updates_per_rollout: int = 1       # sync: optimizer updates per rollout batch (mu)
-    stages: int = 1                    # staged: number of stages S (engine released while training)
-    updates_per_stage: int = 1         # staged: optimizer updates per stage (mu of Mu-GRPO)
-    max_staleness: int = 0             # async: max policy versions a sample may lag (k of PipelineRL-k)
+    updates_per_stage: int = 1         # staged: optimizer updates per stage (mu of Mu-GRPO); trainer.steps counts
+    #                                    updates, so a run has trainer.steps / updates_per_stage stages
+    max_staleness: int = 0             # async: rounds generated ahead = max policy versions a sample may lag (k)
+    stale_policy: str = "drop"         # async: a group lagging more than max_staleness is dropped | requeued
     old_logp_source: str = "recompute"  # rollout: anchor = rollout log-probs | recompute: trainer forward with
     #   the current weights before the first update (exact only on-policy) | snapshot: each token scored under
     #   the version that generated it (host copies of <= k+1 versions) | old_logit_model: a forward-only model
@@ -124,7 +126,8 @@ class AlgorithmConfig:
     filter_zero_variance: bool = False  # drop groups with all-equal rewards from the loss batch
     overlong_buffer_len: int = 0       # DAPO soft overlong penalty: ramp length (0 = off)
     overlong_penalty_factor: float = 1.0
-    max_response_len: int | None = None  # L_max: overlong penalty and seq-mean-token-sum-norm (set to rollout max)
+    max_response_len: int | None = None  # L_max: overlong penalty and seq-mean-token-sum-norm; null = the
+    #                                      rollout's trainer.max_new_tokens (filled in by the trainer)
     # --- loss ---
     loss_agg_mode: str = "token-mean"
     kl_coef: float = 0.0               # beta_KL * k3(theta || ref); > 0 needs ref_logp
@@ -137,12 +140,16 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         owner = f"algorithm {self.name or type(self).__name__!r}"
         check_choice(owner, "schedule", self.schedule, SCHEDULES)
+        check_choice(owner, "stale_policy", self.stale_policy, STALE_POLICIES)
+        if self.schedule == "async" and self.max_staleness < 1:
+            raise ValueError(f"{owner}: schedule=async needs max_staleness >= 1 (rounds generated ahead); "
+                             "with 0 it is the sync schedule")
         check_choice(owner, "old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
         check_choice(owner, "adv_std_norm", self.adv_std_norm, STD_NORMS)
         check_choice(owner, "batch_std_source", self.batch_std_source, BATCH_STD_SOURCES)
         check_choice(owner, "loss_agg_mode", self.loss_agg_mode, AGG_MODES)
         check_choice(owner, "renorm_dropped", self.renorm_dropped, RENORM_MODES)
-        for key in ("updates_per_rollout", "stages", "updates_per_stage", "max_sampling_rounds"):
+        for key in ("updates_per_rollout", "updates_per_stage", "max_sampling_rounds"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{owner}: {key} must be >= 1, got {getattr(self, key)}")
         for key in ("max_staleness", "overlong_buffer_len", "kl_coef", "entropy_coef", "adv_eps"):
@@ -193,6 +200,17 @@ class Algorithm:
     @property
     def needs_entropy(self) -> bool:
         return self.config.entropy_coef > 0
+
+    @property
+    def needs_step_logp(self) -> bool:
+        """True: the trainer runs a no-grad forward over the update's whole local batch and passes the log-probs
+        to `begin_step` before the first micro-batch loss (P3O ess_scope=batch)."""
+        return False
+
+    def begin_step(self, logp: Tensor, anchor: Tensor, mask: Tensor, reduce: Reducer = identity_reduce,
+                   ) -> dict[str, float]:
+        """Per-update statistics over the whole batch (all-reduced with `reduce`); returns metrics."""
+        return {}
 
     def anchor_logp(self, batch: TokenBatch) -> Tensor:
         """The behaviour log-probs ratios are taken against: trainer recompute, or the rollout's own."""

@@ -65,7 +65,6 @@ def nav_veto(log_rho: Tensor, adv: Tensor, mask: Tensor, delta: float, scope: st
 class MuGrpoConfig(GrpoConfig):
     name: str = "mu_grpo"
     schedule: str = "staged"
-    stages: int = 4                    # S stages of U = stages * updates_per_stage updates
     updates_per_stage: int = 1024      # mu
     old_logp_source: str = "rollout"   # ratios against the stored behaviour log-probs
     eps_low: float = 1.0               # relaxed clip [0, 5]

@@ -12,9 +12,10 @@ ESS scope (`ess_scope`):
 - microbatch (reference code): sums over the current micro-batch, all-reduced across DP ranks in float64. This
   issues one collective per micro-batch (all ranks need the same number of micro-batches) and makes the loss
   depend on the micro-batch split.
-- batch: the trainer computes ESS over the whole global batch (compute_ess with the DP reducer, e.g. from a
-  no-grad forward, or from old_logp before the first update) and passes it with set_batch_ess() before the
-  step's micro-batches; the loss is then split-invariant. The value is consumed by finish_accumulation.
+- batch: ESS over the whole update's global batch. The trainer (update.run_update) runs one no-grad forward over
+  the update's local rows before the first micro-batch loss and calls begin_step(), which all-reduces the sums
+  over DP (compute_ess) and sets the value (set_batch_ess); the loss is then split-invariant, at the cost of that
+  extra forward per update. The value is consumed by finish_accumulation.
 """
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ class P3O(Algorithm):
     def __init__(self, config: P3oConfig) -> None:
         super().__init__(config)
         self._batch_ess: float | None = None
+
+    @property
+    def needs_step_logp(self) -> bool:
+        return self.config.ess_scope == "batch"
+
+    def begin_step(self, logp: Tensor, anchor: Tensor, mask: Tensor, reduce: Reducer = identity_reduce,
+                   ) -> dict[str, float]:
+        """ess_scope=batch: ESS of the update's whole batch at the current weights, all-reduced over DP."""
+        ess = compute_ess(logp, anchor, mask, reduce, self.config.ess_eps)
+        self.set_batch_ess(ess)
+        return {"ess_batch": ess}
 
     def set_batch_ess(self, ess: float) -> None:
         """ess_scope=batch: the global ESS to use for this step's micro-batches (see compute_ess)."""

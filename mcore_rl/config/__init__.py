@@ -108,6 +108,14 @@ def rollout_schema(cfg: DictConfig) -> type:
     return ROLLOUT_SCHEMAS[engine]
 
 
+def algorithm_spec(cfg: DictConfig) -> dict:
+    """The algorithm's config dict; `max_response_len: null` means the rollout's own cap, trainer.max_new_tokens."""
+    spec = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    if spec.get("max_response_len") is None:
+        spec["max_response_len"] = int(cfg.trainer.max_new_tokens)
+    return spec
+
+
 def validate(cfg: DictConfig) -> None:
     """Every typed group's `__post_init__` checks plus the algorithm's, as one-line ConfigErrors."""
     known = {f.name for f in fields(MainConfig)}
@@ -122,13 +130,13 @@ def validate(cfg: DictConfig) -> None:
     from mcore_rl.algorithms import build_algorithm
 
     try:
-        build_algorithm(OmegaConf.to_container(cfg.algorithm, resolve=True))
+        build_algorithm(algorithm_spec(cfg))
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
 
 
 __all__ = [
-    "ConfigError", "EvalConfig", "Fp8Config", "LoadCheckConfig", "LocalRolloutConfig", "LoggingConfig", "MainConfig",
+    "ConfigError", "algorithm_spec", "EvalConfig", "Fp8Config", "LoadCheckConfig", "LocalRolloutConfig", "LoggingConfig", "MainConfig",
     "ModelConfig", "MoeConfig", "OptimSettings", "ParallelConfig", "RunConfig", "SGLangLauncherSettings",
     "SGLangRolloutConfig", "TrainerConfig", "register_configs", "rollout_schema", "typed_group", "validate",
 ]

@@ -37,6 +37,7 @@ class PromptSource:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._cache: dict[str, list[int]] = {}
+        self._by_id: dict | None = None
         spec = OmegaConf.to_container(cfg.data, resolve=True)
         sampler_cfg = spec.get("sampler") or {}
         self.train = _dataset(spec, "data")
@@ -97,6 +98,16 @@ class PromptSource:
         if n % self.per_update:
             raise ValueError(f"asked for {n} prompts, not a multiple of trainer.prompts_per_update={self.per_update}")
         return [self._render(r) for _ in range(n // self.per_update) for r in self.sampler.next_batch()]
+
+    def lookup(self, prompt_id: str) -> Prompt:
+        """A training prompt by id: a resumed run regenerates the prompts that were in flight at the checkpoint."""
+        if self._by_id is None:
+            self._by_id = {r.prompt_id: r for r in self.train}
+        rec = self._by_id.get(prompt_id)
+        if rec is None:
+            raise ConfigError(f"checkpoint: prompt {prompt_id!r} was in flight but is not in the training data "
+                              "(was data changed between the run and its resume?)")
+        return self._render(rec)
 
     def eval_prompts(self) -> list[Prompt]:
         if self._eval is None:

@@ -3,11 +3,9 @@ every rank owns its policy shard. Samples travel from rank 0 to all ranks by bro
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -19,22 +17,23 @@ from mcore_rl.algorithms import build_algorithm
 from mcore_rl.distributed import init_distributed
 from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
-from mcore_rl.rewards.base import failure_counts
-from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
 from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS, SyncOptions
 from mcore_rl.trainer import prompts as prompt_src
 from mcore_rl.trainer.evaluate import evaluate
-from mcore_rl.trainer.rollout_batch import build_rollout_batch
+from mcore_rl.trainer.rollout_batch import RolloutBatch, build_rollout_batch, update_rows
+from mcore_rl.trainer.rounds import PromptsLog, produce
+from mcore_rl.trainer.schedule import build_schedule
 from mcore_rl.trainer.setup import (
     StopFlag,
+    algorithm_spec,
     check_model_against_parallel,
     policy_config,
     resolve_model_dir,
     validate_config,
 )
-from mcore_rl.trainer.state import latest_checkpoint, load_checkpoint, save_checkpoint, sweep_stale
-from mcore_rl.trainer.update import NonFiniteGuard
+from mcore_rl.trainer.state import checkpoint, latest_checkpoint, latest_update, resume_or_start
+from mcore_rl.trainer.update import NonFiniteGuard, run_update
 
 log = logging.getLogger("mcore_rl")
 
@@ -62,14 +61,10 @@ class Run:
 
         self.dp_rank = ps.get_data_parallel_rank()
         self.run_dir = Path(_broadcast(str(Path(cfg.run.dir).resolve())))
-        self.algorithm = build_algorithm(OmegaConf.to_container(cfg.algorithm, resolve=True))
+        self.algorithm = build_algorithm(algorithm_spec(cfg))
         ac = self.algorithm.config
-        self.staged = ac.schedule == "staged"
-        # async (PipelineRL-k): rank 0 keeps k rounds of generation in flight while the trainer trains; weight
-        # updates land mid-generation and every token records the version that produced it
-        self.async_k = max(1, ac.max_staleness) if ac.schedule == "async" else 0
-        self._pending: deque = deque()
-        self.updates_per_round = ac.updates_per_stage if self.staged else ac.updates_per_rollout
+        # sync / staged / async: when generation is submitted, what happens around training (trainer/schedule/)
+        self.schedule = build_schedule(self)
         # rank 0: data, rewards, engine, logger (data first: a missing field fails before the model is built)
         self.data = prompt_src.PromptSource(cfg, self.model_dir, self.algorithm) if self.rank == 0 else None
         self.policy = Policy(self.model_dir, policy_config(cfg))
@@ -93,8 +88,7 @@ class Run:
             name = rc.pop("engine", "local")
             for key in TRAINER_KEYS:  # the trainer's side of weight sync
                 rc.pop(key, None)
-            if self.staged and isinstance(rc.get("launcher"), dict):  # SGLang releases memory only with a saver
-                rc["launcher"]["memory_saver"] = True
+            rc = self.schedule.engine_options(rc)
             if "dtype" in rc:  # auto: the engine runs in the trainer's (resolved) dtype
                 from mcore_rl.policy.precision import engine_dtype
 
@@ -113,6 +107,8 @@ class Run:
         self.round = 0
         self.version = 0
         self.next_eval = 0
+        self._round_prompts: list[str] = []
+        self.prompts_log = PromptsLog(self.run_dir / "prompts.jsonl", enabled=self.rank == 0)
         self.last_eval: int | None = None
         self._progress = None
         self._last_heldout: float | None = None
@@ -127,15 +123,22 @@ class Run:
         from mcore_rl.oldlogp import SourceContext, build_source
 
         self.oldlogp = build_source(ac.old_logp_source, SourceContext(
-            policy=self.policy, temperature=cfg.trainer.temperature, staleness=self.async_k, engine=self.engine,
+            policy=self.policy, temperature=cfg.trainer.temperature, staleness=self.schedule.depth, engine=self.engine,
             make_policy=lambda: Policy(self.model_dir, policy_config(cfg), trainable=False),
             audit_frac=ac.old_logp_audit_frac, seed=cfg.seed))
         self.oldlogp.on_version(self.version, self._finished_samples if self.rank == 0 else None)
         # <<< oldlogp hook 1/3
 
-    def _finished_samples(self) -> list:  # oldlogp: finished, unconsumed samples of the rounds in flight (rank 0)
-        return [f.result() for futures, _, _ in self._pending for f in futures
-                if f.done() and not f.cancelled() and f.exception() is None]
+    def _finished_samples(self) -> list:
+        """oldlogp: the finished, not yet consumed samples of the rounds in flight (rank 0)."""
+        out = []
+        for rnd in self.schedule.pending:
+            for r in rnd.requests:
+                if r.futures is None:  # restored from a checkpoint: already collected
+                    out.extend(r.samples or [])
+                    continue
+                out.extend(f.result() for f in r.futures if f.done() and not f.cancelled() and f.exception() is None)
+        return out
 
     # ---- setup helpers -----------------------------------------------------------------------------------
     def _init_weights(self) -> None:
@@ -165,135 +168,73 @@ class Run:
         return self.run_dir / "checkpoints"
 
     def _resume_or_start(self) -> None:
-        if self.rank == 0:
-            sweep_stale(self.ckpt_root)
-        ckpt = latest_checkpoint(self.ckpt_root, report=True) if self.cfg.trainer.resume == "auto" else None
-        need_sync = bool(self.cfg.model.mcore_ckpt)
-        if ckpt is not None:
-            meta, extra = load_checkpoint(ckpt, self.policy)
-            t = meta["trainer"]
-            self.update, self.round, self.version, self.next_eval = t["update"], t["round"], t["version"], t[
-                "next_eval"]
-            if self.ewma is not None and "ewma" in extra:
-                self.ewma.load_state_dict(extra["ewma"])
-            if self.rank == 0:
-                self.data.load_state_dict(t["data"])
-            if t.get("algorithm") is not None:
-                self.algorithm.load_state_dict(t["algorithm"])
-            if self.compute is not None and t.get("compute"):
-                self.compute.load_state_dict(t["compute"])
-            log.warning("resumed from %s at update %d", ckpt, self.update)
-            need_sync = True
-        if need_sync:
-            self.sync_weights(bump=False)
-        if self.rank == 0:
-            (self.run_dir / "PREEMPTED").unlink(missing_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+        resume_or_start(self)
 
     # ---- phases --------------------------------------------------------------------------------------------
-    def engine_call(self, name: str) -> None:
-        if self.engine is not None:
-            getattr(self.engine, name)()
+    def next_batch(self, num_updates: int) -> tuple[RolloutBatch, dict[str, float]] | None:
+        """The schedule's next round, scored on rank 0 (DAPO: dynamic sampling) and broadcast to every rank.
 
-    def _requests(self, num_updates: int, round_index: int):
-        t = self.cfg.trainer
-        prompts = self.data.next_prompts(num_updates * t.prompts_per_update)
-        base = (self.cfg.seed * 1_000_003 + round_index) * 10_007
-        reqs = [GenerationRequest(prompt_ids=p.prompt_ids, rid=f"r{round_index}-{i}", sampling=SamplingParams(
-            max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p,
-            n=t.samples_per_prompt, seed=base + i, stop_token_ids=self.data.stop_token_ids))
-            for i, p in enumerate(prompts)]
-        return reqs, prompts
-
-    def generate(self, num_updates: int):
-        """Rank 0 samples `num_updates * prompts_per_update` prompts x G; all ranks get (samples, prompts).
-
-        A stop signal (Slurm preemption) that lands during generation aborts the in-flight requests and drops
-        the partial round: every rank gets None, the data cursor goes back to where the round began (the
-        resumed run regenerates it), and the loop checkpoints at once instead of waiting for a long round.
+        None when a stop signal (Slurm preemption) arrived during generation: the schedule aborted what was in
+        flight, its state lists those prompts so a resumed run generates them again, and the loop checkpoints
+        at once instead of waiting for a long round.
         """
         payload = None
         if self.rank == 0:
-            if not self.async_k:
-                self._pending.append(self._submit(num_updates, self.round))
-            else:
-                submitted = self.round + len(self._pending)
-                while len(self._pending) < self.async_k + 1:
-                    self._pending.append(self._submit(num_updates, submitted))
-                    submitted += 1
-            futures, prompts, _ = self._pending[0]
-            samples = self._wait_or_stop(futures)
-            if samples is not None:
-                self._pending.popleft()
-                payload = (samples, prompts)
-            else:
-                self._drop_pending()
-        payload = _broadcast(payload)
-        if payload is not None:
-            self.round += 1
-        return payload
-
-    def _submit(self, num_updates: int, round_index: int):
-        data_state = copy.deepcopy(self.data.state_dict())  # where this round's prompts begin, for a dropped round
-        reqs, prompts = self._requests(num_updates, round_index)
-        return self.engine.submit(reqs), prompts, data_state
-
-    def _wait_or_stop(self, futures, poll_s: float = 0.2):
-        """The round's samples, or None when a stop signal arrived first (in-flight requests aborted)."""
-        from concurrent.futures import wait
-
-        pending = set(futures)
-        while pending:
-            if self.stop.requested:
-                return None
-            _, pending = wait(pending, timeout=poll_s)
-        return [f.result() for f in futures]
-
-    def _drop_pending(self) -> None:
-        """Abort every round in flight and rewind the data cursor to the oldest one's start."""
-        self.engine.abort(None)
-        self.data.load_state_dict(self._pending[0][2])
-        log.warning("stop requested during generation: aborted round %d (%d round(s) in flight)", self.round,
-                    len(self._pending))
-        self._pending.clear()
-
-    def score(self, samples, prompts):
-        G = self.cfg.trainer.samples_per_prompt
-        payload = failures = None
-        if self.rank == 0:
-            answers = [p.answer for p in prompts for _ in range(G)]
             try:
-                results = self.reward_fn.score([s.text or "" for s in samples], answers)
+                payload = produce(self, num_updates)
             except FatalRunError as e:  # every rank must stop, not wait in the broadcast below
                 payload = str(e)
-            else:
-                payload = ([r.score for r in results], [bool(r.correct) for r in results])
-                failures = failure_counts(results)
-                self.data.observe([p.prompt_id for p in prompts for _ in range(G)], payload[0])
-                score_passes = (int(self.algorithm.needs_old_logp) + int(self.ref is not None)
-                                + int(self.ewma is not None))
-                self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in samples], score_passes)
         payload = _broadcast(payload)
         if isinstance(payload, str):
             raise FatalRunError(payload)
-        rewards, correct = payload
-        group_ids = [i // G for i in range(len(samples))]
-        rb = build_rollout_batch(samples, rewards, correct, group_ids, pad_id=0)
+        if payload is None:
+            return None
+        self.round += 1
+        self._round_prompts = [p.prompt_id for p in payload["prompts"]]
+        G = self.cfg.trainer.samples_per_prompt
+        samples = payload["samples"]
+        rb = build_rollout_batch(samples, payload["rewards"], payload["correct"], [i // G for i in range(len(samples))],
+                                 pad_id=0)
+        return rb, self._rollout_metrics(rb, payload["metrics"] if self.rank == 0 else {})
+
+    def _rollout_metrics(self, rb: RolloutBatch, rank0: dict[str, float]) -> dict[str, float]:
         lengths = rb.response_len
         metrics = {
             "reward_mean": rb.rewards.mean().item(), "reward_std": rb.rewards.std().item() if len(rb) > 1 else 0.0,
             "accuracy": rb.correct.mean().item(), "response_len": lengths.mean().item(),
             "response_len_max": lengths.max().item(), "truncation_rate": rb.truncated.mean().item(),
             "rollout_tokens": lengths.sum().item(), "weight_version": float(self.version),
-            "staleness_max": float(self.version - rb.versions[rb.loss_mask > 0].min().item())
-            if rb.loss_mask.sum() > 0 else 0.0,
         }
+        tok_versions = rb.versions[rb.loss_mask > 0].double()
+        if tok_versions.numel():  # per-token lag behind the trainer: a weight update mid-sample shows here
+            metrics["staleness_max"] = float(self.version - tok_versions.min().item())
+            metrics["staleness_mean"] = float(self.version - tok_versions.mean().item())
         if self.rank == 0:
+            metrics.update(rank0)
             metrics.update(self.data.metrics())
-            metrics.update(failures)
             if hasattr(self.engine, "fault_metrics"):  # SGLang: HTTP retries, stale samples dropped, restarts
                 metrics.update(self.engine.fault_metrics())
-        return rb, metrics
+        return metrics
+
+    def train_update(self, rb: RolloutBatch, adv, anchors: dict[str, torch.Tensor], u: int,
+                     n_up: int) -> dict[str, float]:
+        """Optimizer update `u` of the round's `n_up`: its prompt groups, this DP rank's share of them."""
+        rows = update_rows(rb.group_ids, n_up, u, self.dp, self.dp_rank)
+        part = {k: v[rows] for k, v in anchors.items()}
+        t0 = time.perf_counter()
+        if self.ewma is not None:  # PPO-EWMA: proximal log-probs under the current EWMA weights
+            part["prox_logp"] = self.prox_logp(rb.select(rows))
+        metrics = run_update(self.policy, self.algorithm, rb.select(rows), adv.advantages[rows], adv.keep[rows],
+                             part, self.cfg.trainer.temperature, self.ewma, guard=self.guard,
+                             update_index=self.update + 1)
+        self.update += 1
+        metrics["time_train"] = time.perf_counter() - t0
+        if self.rank == 0:  # which prompts this update trained on: resumed runs are compared by these
+            groups = sorted(set(rb.group_ids.tolist()))
+            per = -(-len(groups) // n_up)
+            self.prompts_log.log(self.update, {"round": self.round,
+                                               "prompt_ids": self._round_prompts[u * per:(u + 1) * per]})
+        return metrics
 
     def anchors(self, rb) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -374,44 +315,32 @@ class Run:
             while self.next_eval <= self.update:
                 self.next_eval += e.every
 
-    def _trainer_state(self) -> dict:
-        st = {"update": self.update, "round": self.round, "version": self.version, "next_eval": self.next_eval}
-        if self.rank == 0:
-            # async rounds generated ahead are regenerated after a resume: the cursor before the oldest one
-            st["data"] = self._pending[0][2] if self._pending else self.data.state_dict()
-            st["algorithm"] = self.algorithm.state_dict()
-            st["compute"] = self.compute.state_dict()
-        return st
-
     def checkpoint(self) -> Path:
-        extra = {"ewma": self.ewma.state_dict()} if self.ewma is not None else {}
-        return save_checkpoint(self.ckpt_root, self.update, self.policy, _broadcast(self._trainer_state()),
-                               rank_extra=extra, keep=self.cfg.trainer.keep_checkpoints)
+        return checkpoint(self)
 
     def maybe_checkpoint(self) -> None:
         every = self.cfg.trainer.save_every
-        crossed = every > 0 and (self.update // every) > ((self.update - self.updates_per_round) // every)
+        crossed = every > 0 and (self.update // every) > ((self.update - self.schedule.updates_per_round) // every)
         if crossed or self.stop.agreed():
             self.checkpoint()
 
     def finish(self) -> None:
         preempted = self.stop.agreed()
         if preempted:
-            if not latest_checkpoint(self.ckpt_root) or self._latest_update() != self.update:
+            if not latest_checkpoint(self.ckpt_root) or latest_update(self.ckpt_root) != self.update:
                 self.checkpoint()
             if self.rank == 0:
                 (self.run_dir / "PREEMPTED").write_text(json.dumps({"update": self.update,
                                                                     "signals": self.stop.signals}))
         else:
-            if self.update > 0 and self._latest_update() != self.update:
+            if self.update > 0 and latest_update(self.ckpt_root) != self.update:
                 self.checkpoint()
             self.maybe_evaluate(force=True)
             if self.cfg.trainer.export_hf:
                 self.export_hf()
         if self.rank == 0:
-            if self._pending:  # async rounds generated ahead that no update will consume
-                self.engine.abort(None)
-                self._pending.clear()
+            self.schedule.close()  # async rounds generated ahead that no update will consume
+            self.prompts_log.close()
             if self._progress is not None:
                 self._progress.close()
             self.logger.close()
@@ -424,10 +353,6 @@ class Run:
                 self.reward_fn.close()
             if self.engine is not None:
                 self.engine.close()
-
-    def _latest_update(self) -> int | None:
-        ck = latest_checkpoint(self.ckpt_root)
-        return int(ck.name.split("_")[1]) if ck else None
 
     def export_hf(self) -> None:
         from mcore_rl.rollout.weight_sync.disk_sync import write_hf_folder

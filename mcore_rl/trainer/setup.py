@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl import fsio
-from mcore_rl.config import ConfigError, OptimSettings, typed_group, validate
+from mcore_rl.config import ConfigError, OptimSettings, algorithm_spec, typed_group, validate
 from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
 from mcore_rl.models.moe_spec import validate_moe_parallel
@@ -22,7 +22,7 @@ from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_
 from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import PolicyConfig
 
-__all__ = ["ConfigError", "validate_config"]  # ConfigError's home is mcore_rl.config (re-exported here)
+__all__ = ["ConfigError", "algorithm_spec", "validate_config"]  # ConfigError's home is mcore_rl.config (re-exported here)
 
 
 def validate_config(cfg: DictConfig) -> None:

@@ -116,3 +116,62 @@ def load_checkpoint(path: str | Path, policy) -> tuple[dict[str, Any], dict[str,
     if "rng" in extra:
         set_rng_state(extra.pop("rng"))
     return meta, extra
+
+
+def latest_update(ckpt_root: str | Path) -> int | None:
+    ck = latest_checkpoint(ckpt_root)
+    return int(ck.name.split("_")[1]) if ck else None
+
+
+def trainer_state(run) -> dict[str, Any]:
+    """The JSON part of a run's state (rank 0's view): counters, data cursor, algorithm and compute state."""
+    st = {"update": run.update, "round": run.round, "version": run.version, "next_eval": run.next_eval}
+    if run.rank == 0:
+        st["data"] = run.data.state_dict()  # after every round in flight: the schedule's state lists those
+        st["algorithm"] = run.algorithm.state_dict()
+        st["compute"] = run.compute.state_dict()
+    return st
+
+
+def checkpoint(run) -> Path:
+    """Collective. Per rank: EWMA weights; rank 0 also the schedule's in-flight rounds (prompt ids, seeds and
+    the samples of finished requests), which can be large, so they go to the rank file, not the JSON meta."""
+    from mcore_rl.trainer.run import _broadcast
+
+    extra = {"ewma": run.ewma.state_dict()} if run.ewma is not None else {}
+    if run.rank == 0:
+        extra["schedule"] = run.schedule.state_dict()
+    return save_checkpoint(run.ckpt_root, run.update, run.policy, _broadcast(trainer_state(run)),
+                           rank_extra=extra, keep=run.cfg.trainer.keep_checkpoints)
+
+
+def resume_or_start(run) -> None:
+    """Continue from the newest verified checkpoint (trainer.resume=auto) or start; then sync the engine."""
+    if run.rank == 0:
+        sweep_stale(run.ckpt_root)
+    ckpt = latest_checkpoint(run.ckpt_root, report=True) if run.cfg.trainer.resume == "auto" else None
+    need_sync = bool(run.cfg.model.mcore_ckpt)
+    extra: dict[str, Any] = {}
+    if ckpt is not None:
+        meta, extra = load_checkpoint(ckpt, run.policy)
+        t = meta["trainer"]
+        run.update, run.round, run.version, run.next_eval = t["update"], t["round"], t["version"], t["next_eval"]
+        if run.ewma is not None and "ewma" in extra:
+            run.ewma.load_state_dict(extra["ewma"])
+        if run.rank == 0:
+            run.data.load_state_dict(t["data"])
+        if t.get("algorithm") is not None:
+            run.algorithm.load_state_dict(t["algorithm"])
+        if run.compute is not None and t.get("compute"):
+            run.compute.load_state_dict(t["compute"])
+        log.warning("resumed from %s at update %d", ckpt, run.update)
+        need_sync = True
+    if need_sync:
+        run.sync_weights(bump=False)
+    if run.rank == 0:
+        if extra.get("schedule"):  # after the sync: requests still to generate use the checkpoint's weights
+            run.schedule.load_state_dict(extra["schedule"])
+        (run.run_dir / "PREEMPTED").unlink(missing_ok=True)
+        from omegaconf import OmegaConf
+
+        (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run.cfg, resolve=True))

@@ -152,9 +152,15 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
             metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
         return loss, metrics
 
+    step_metrics = {}
+    if alg.needs_step_logp:  # e.g. P3O ess_scope=batch: whole-batch statistics before the first micro-batch
+        logp = policy.logprobs(rb.policy_batch(), temperature)  # None off the last PP stage (it has no loss)
+        if logp is not None:
+            anchor = anchors["old_logp"] if alg.needs_old_logp else rb.rollout_logp
+            step_metrics = alg.begin_step(logp, anchor, rb.loss_mask, reduce)
     policy.zero_grad()
     outs = policy.forward_backward(batch, loss_fn, temperature, with_entropy=True)
-    metrics = mean_metrics(outs) if outs else {}
+    metrics = {**(mean_metrics(outs) if outs else {}), **step_metrics}
     if policy.is_last_stage():
         acc = alg.finish_accumulation(reduce)
         metrics.update(acc.metrics)

@@ -50,7 +50,7 @@ def main(out: str, overrides: list[str]) -> None:
         # generation is paused (KV cache kept) from shortly after a round is handed over until the weight sync:
         # by then a few samples of the rounds ahead have finished (stale when consumed) and one is half-way, so
         # each sync lands mid-sample and that sample spans two versions (interrupt mode restarts it instead)
-        generate, sync = run.generate, run.sync_weights
+        generate, sync = run.next_batch, run.sync_weights
 
         def held_generate(n):
             out_ = generate(n)
@@ -69,7 +69,7 @@ def main(out: str, overrides: list[str]) -> None:
             run.engine.resume()
             return out_
 
-        run.generate, run.sync_weights = held_generate, resuming_sync
+        run.next_batch, run.sync_weights = held_generate, resuming_sync
     train(run)
 
     from mcore_rl.policy.policy import Policy

@@ -20,7 +20,8 @@ def async_run(tmp_path: Path, source: str, nproc: int = 1, *extra: str) -> dict:
     out = tmp_path / "result.json"
     run_torchrun(nproc, WORKER, str(out), "model=tiny", f"run.dir={tmp_path / 'run'}", "rollout.sync_mode=disk",
                  f"rollout.sync_dir={tmp_path / 'sync'}", "rollout.keep_versions=100", "rollout.max_batch_size=1",
-                 "algorithm.schedule=async", "algorithm.max_staleness=2", f"algorithm.old_logp_source={source}",
+                 "algorithm.schedule=async", "algorithm.max_staleness=2",
+                 "trainer.deterministic=false",  # free-running async: weight updates land mid-sample f"algorithm.old_logp_source={source}",
                  "algorithm.old_logp_audit_frac=0.5", "algorithm.entropy_coef=0.01", "optim.lr=1e-3",
                  "trainer.steps=5", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
                  "trainer.max_new_tokens=64", "eval.num_prompts=0", "trainer.export_hf=false", "logging.plot=false",

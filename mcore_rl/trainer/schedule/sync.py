@@ -1,0 +1,10 @@
+"""sync (GRPO family): generate a round, then `updates_per_rollout` optimizer updates on it, then sync weights."""
+
+from __future__ import annotations
+
+from mcore_rl.trainer.schedule.base import Schedule, register_schedule
+
+
+@register_schedule("sync")
+class SyncSchedule(Schedule):
+    depth = 0
