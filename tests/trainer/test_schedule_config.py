@@ -14,7 +14,7 @@ from mcore_rl.trainer.setup import ConfigError, algorithm_spec, validate_config
 
 def _cfg(*overrides: str):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose(config_name="config", overrides=["model=tiny", *overrides])
+        return compose(config_name="config", overrides=["model=tiny", "run.dir=/nonexistent/run", *overrides])
 
 
 @pytest.mark.parametrize("name", ["sync", "staged", "async"])
