@@ -55,7 +55,7 @@ class Run:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model_dir = resolve_model_dir(cfg)
         check_model_against_parallel(cfg, self.model_dir)
-        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed, ep=cfg.parallel.get("ep", 1))
+        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed, ep=cfg.parallel.ep)
         self.rank, self.dp = layout.rank, layout.dp
         from megatron.core import parallel_state as ps
 
@@ -156,7 +156,7 @@ class Run:
         from mcore_rl.convert.load_check import LoadCheckConfig, run_load_check
         from mcore_rl.trainer.setup import ConfigError
 
-        lc = LoadCheckConfig(**(self.cfg.model.get("load_check") or {}))
+        lc = LoadCheckConfig(**OmegaConf.to_container(self.cfg.model.load_check, resolve=True))
         res = run_load_check(self.policy, self.model_dir, lc, from_hf=not self.cfg.model.mcore_ckpt)
         log.warning(res.line(lc.tol))
         if res.ran and not res.max_abs_diff <= lc.tol:
@@ -264,10 +264,9 @@ class Run:
         if bump:
             self.version += 1
         rc = self.cfg.rollout
-        opts = SyncOptions(sync_dir=rc.get("sync_dir"), config_dir=self.model_dir,
-                           keep_versions=rc.get("keep_versions", 2), bucket_mb=rc.get("bucket_mb", 512.0))
-        out = sync_weights(self.policy, self.engine, self.version, mode=rc.get("sync_mode", "tensor") or "tensor",
-                           options=opts)
+        opts = SyncOptions(sync_dir=rc.sync_dir, config_dir=self.model_dir, keep_versions=rc.keep_versions,
+                           bucket_mb=getattr(rc, "bucket_mb", 512.0))  # bucket_mb: SGLang tensor/nccl payloads only
+        out = sync_weights(self.policy, self.engine, self.version, mode=rc.sync_mode, options=opts)
         if bump:  # oldlogp hook 3/3: a new version, after the engine holds it
             self.oldlogp.on_version(self.version, self._finished_samples if self.rank == 0 else None)
         return out
