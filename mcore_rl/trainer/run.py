@@ -342,12 +342,12 @@ class Run:
             return
         self.last_eval = self.update
         if self.rank == 0:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             prompts = self.data.eval_prompts()
             m = evaluate(self.engine, self.reward_fn, [p.prompt_ids for p in prompts], [p.answer for p in prompts],
                          e.samples_per_prompt, e.temperature, e.max_new_tokens, e.seed, self.data.stop_token_ids)
             m["time_eval"] = time.perf_counter() - t0
-            self.compute.add_eval_time(m["time_eval"])
+            self.compute.add_eval_time(m["time_eval"], time.process_time() - c0)
             m.update(self.compute.record())
             self._last_heldout = m["mean_at_k"]
             self.logger.log(self.update, m, kind="eval")
