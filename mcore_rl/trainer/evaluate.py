@@ -36,7 +36,8 @@ def _correct(reward_fn, scorer, texts: list[str], records: list, k: int) -> list
 
 def _evaluate_one(engine, reward_fn, hs: HeldOutSet, k: int, temperature: float, max_new_tokens: int, seed: int,
                   stop_token_ids: list[int]) -> dict[str, float]:
-    reqs = [GenerationRequest(prompt_ids=p, rid=f"eval-{hs.name}-{i}",
+    tag = f"eval-{hs.name}-" if hs.prefixed else "eval-"
+    reqs = [GenerationRequest(prompt_ids=p, rid=f"{tag}{i}",
                               sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=k,
                                                       seed=seed + i, stop_token_ids=stop_token_ids))
             for i, p in enumerate(hs.prompts)]

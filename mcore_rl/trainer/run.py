@@ -24,7 +24,7 @@ from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
 from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS, SyncOptions
 from mcore_rl.trainer import prompts as prompt_src
-from mcore_rl.trainer.evaluate import evaluate
+from mcore_rl.trainer.evaluate import evaluate_sets
 from mcore_rl.trainer.rollout_batch import build_rollout_batch
 from mcore_rl.trainer.setup import (
     StopFlag,
@@ -343,9 +343,8 @@ class Run:
         self.last_eval = self.update
         if self.rank == 0:
             t0, c0 = time.perf_counter(), time.process_time()
-            prompts = self.data.eval_prompts()
-            m = evaluate(self.engine, self.reward_fn, [p.prompt_ids for p in prompts], [p.answer for p in prompts],
-                         e.samples_per_prompt, e.temperature, e.max_new_tokens, e.seed, self.data.stop_token_ids)
+            m = evaluate_sets(self.engine, self.reward_fn, self.data.eval_sets(self.reward_fn), e.samples_per_prompt,
+                              e.temperature, e.max_new_tokens, e.seed, self.data.stop_token_ids)
             m["time_eval"] = time.perf_counter() - t0
             self.compute.add_eval_time(m["time_eval"], time.process_time() - c0)
             m.update(self.compute.record())
