@@ -91,7 +91,7 @@ def report() -> None:
              "expectation at mu=1). P3O: ESS-capped IS weight + (1-ESS) KL to the behaviour policy, anchored to "
              "the engine's log-probs, no clip hyper-parameter.", "",
              "| algorithm | mu | mean@4 at update 0 | best | at update 16 | evals | ESS mean / min | "
-             "capped frac (P3O) or clip frac (GRPO), mean | ppo_kl mean | non-finite skips |",
+             "capped frac (P3O) or clip frac (GRPO), mean | KL to the anchor, mean | non-finite skips |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (alg, mu), stem in sorted(GRID.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ev, tr = records(stem, "eval"), records(stem, "train")
@@ -101,7 +101,8 @@ def report() -> None:
         ess = [r["ess_factor"] for r in tr if "ess_factor" in r]
         frac_key = "capped_frac" if alg == "P3O" else "pg_clipfrac"
         frac = [r[frac_key] for r in tr if frac_key in r]
-        kl = [r["ppo_kl"] for r in tr if "ppo_kl" in r]
+        kl_key = "kl_behavioral" if alg == "P3O" else "ppo_kl"
+        kl = [r[kl_key] for r in tr if kl_key in r]
         skips = sum(1 for r in tr if r.get("update_ok", 1.0) < 1.0)
         last = ev[-1]
         at = "" if last["step"] == STEPS else f" (update {last['step']})"
@@ -109,7 +110,11 @@ def report() -> None:
                      f"{last['mean_at_k']:.3f}{at} | "
                      f"{len(ev)} | {f3(mean(ess))} / {f3(min(ess) if ess else None)} | {f3(mean(frac))} | "
                      f"{f3(mean(kl))} | {skips if tr else 'n/a'} |")
-    lines += ["", "## P3O ESS per update", "",
+    lines += ["", "KL to the anchor: GRPO's `ppo_kl` (k1, mean(logp_anchor - logp)) and P3O's `kl_behavioral` (k3 to the "
+              "behaviour policy, before the (1-ESS) weight): different estimators, each a measure of how far the "
+              "policy moved from the data's policy. P3O's capped fraction counts tokens with w > ESS: with ESS < 1 "
+              "that includes most tokens with w ~ 1 (the cap bounds every token's weight).", "",
+              "## P3O ESS per update", "",
               "| update | " + " | ".join(f"mu={mu}" for mu in (1, 4, 8)) + " |", "|---|---|---|---|"]
     ess_by_mu = {mu: {r["step"]: r["ess_factor"] for r in records(GRID[("P3O", mu)], "train") if "ess_factor" in r}
                  for mu in (1, 4, 8)}
