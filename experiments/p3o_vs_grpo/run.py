@@ -11,6 +11,7 @@ P3O at mu=1, 4, 8 and GRPO at mu=8, 16 updates each.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,10 @@ def records(stem: Path, kind: str) -> list[dict]:
 
 def mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def f3(x: float | None) -> str:
@@ -91,35 +96,41 @@ def report() -> None:
              "expectation at mu=1). P3O: ESS-capped IS weight + (1-ESS) KL to the behaviour policy, anchored to "
              "the engine's log-probs, no clip hyper-parameter.", "",
              "| algorithm | mu | mean@4 at update 0 | best | at update 16 | evals | ESS mean / min | "
-             "capped frac (P3O) or clip frac (GRPO), mean | KL to the anchor, mean | non-finite skips |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "capped frac (P3O) or clip frac (GRPO), mean | KL to the anchor, median / max | grad norm median / max | "
+             "non-finite skips |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (alg, mu), stem in sorted(GRID.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ev, tr = records(stem, "eval"), records(stem, "train")
         if not ev:
-            lines.append(f"| {alg} | {mu} | not run | | | | | | | |")
+            lines.append(f"| {alg} | {mu} | not run | | | | | | | | |")
             continue
         ess = [r["ess_factor"] for r in tr if "ess_factor" in r]
         frac_key = "capped_frac" if alg == "P3O" else "pg_clipfrac"
         frac = [r[frac_key] for r in tr if frac_key in r]
         kl_key = "kl_behavioral" if alg == "P3O" else "ppo_kl"
         kl = [r[kl_key] for r in tr if kl_key in r]
+        gn = [r["grad_norm"] for r in tr if "grad_norm" in r]
         skips = sum(1 for r in tr if r.get("update_ok", 1.0) < 1.0)
         last = ev[-1]
         at = "" if last["step"] == STEPS else f" (update {last['step']})"
         lines.append(f"| {alg} | {mu} | {ev[0]['mean_at_k']:.3f} | {max(r['mean_at_k'] for r in ev):.3f} | "
                      f"{last['mean_at_k']:.3f}{at} | "
                      f"{len(ev)} | {f3(mean(ess))} / {f3(min(ess) if ess else None)} | {f3(mean(frac))} | "
-                     f"{f3(mean(kl))} | {skips if tr else 'n/a'} |")
+                     f"{f3(median(kl))} / {f3(max(kl) if kl else None)} | {f3(median(gn))} / "
+                     f"{f3(max(gn) if gn else None)} | {skips if tr else 'n/a'} |")
     lines += ["", "KL to the anchor: GRPO's `ppo_kl` (k1, mean(logp_anchor - logp)) and P3O's `kl_behavioral` (k3 to the "
               "behaviour policy, before the (1-ESS) weight): different estimators, each a measure of how far the "
               "policy moved from the data's policy. P3O's capped fraction counts tokens with w > ESS: with ESS < 1 "
               "that includes most tokens with w ~ 1 (the cap bounds every token's weight).", "",
-              "## P3O ESS per update", "",
+              "## P3O ESS per update (KL to the behaviour policy in brackets)", "",
               "| update | " + " | ".join(f"mu={mu}" for mu in (1, 4, 8)) + " |", "|---|---|---|---|"]
-    ess_by_mu = {mu: {r["step"]: r["ess_factor"] for r in records(GRID[("P3O", mu)], "train") if "ess_factor" in r}
-                 for mu in (1, 4, 8)}
+    by_mu = {mu: {r["step"]: r for r in records(GRID[("P3O", mu)], "train") if "ess_factor" in r} for mu in (1, 4, 8)}
+
+    def cell(r: dict | None) -> str:
+        return "n/a" if r is None else f"{r['ess_factor']:.3f} ({r.get('kl_behavioral', float('nan')):.3g})"
+
     for step in range(1, STEPS + 1):
-        lines.append(f"| {step} | " + " | ".join(f3(ess_by_mu[mu].get(step)) for mu in (1, 4, 8)) + " |")
+        lines.append(f"| {step} | " + " | ".join(cell(by_mu[mu].get(step)) for mu in (1, 4, 8)) + " |")
     segs = {a.name: arm_meta(HERE, a)["segments"] for a in ARMS}
     lines += ["", "Arms run here: " + "; ".join(
         f"{n}: {s[-1]['wall_s']:.0f} s wall, load {s[-1]['load_mean']:.1f}" for n, s in segs.items() if s), "",
