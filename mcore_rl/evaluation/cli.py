@@ -30,7 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=777, help="prompt i is sampled with seed + i")
-    p.add_argument("--engine", default="local", help="rollout engine (registry name; default: the embedded one)")
+    p.add_argument("--engine", default=None, help="rollout engine (registry name; default: the embedded one)")
+    p.add_argument("--rollout", default=None, metavar="NAME|FILE.yaml",
+                   help="take the engine and its settings from a rollout config, as training's `rollout=NAME` does "
+                        "(hydra_conf/rollout/NAME.yaml, e.g. sglang; --engine-arg overrides its keys)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra engine constructor argument (YAML value), repeatable, e.g. dtype=bfloat16")
     p.add_argument("--checkpoint", action="store_true",
@@ -59,6 +62,32 @@ def _engine_kwargs(items: list[str]) -> dict:
             raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE")
         out[key] = yaml.safe_load(value)
     return out
+
+
+def rollout_engine(name: str | None, engine: str | None, overrides: dict) -> tuple[str, dict]:
+    """(engine name, constructor kwargs) from a rollout yaml (training's `rollout=` group or a file) + overrides.
+    The trainer-only keys (weight sync) are dropped: evaluation never updates weights. `${run.dir}` (launcher
+    logs) resolves to a fresh temp dir."""
+    if name is None:
+        return engine or "local", overrides
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS
+    from mcore_rl.train import CONFIG_DIR
+
+    path = Path(name) if name.endswith((".yaml", ".yml")) else Path(CONFIG_DIR) / "rollout" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (Path(CONFIG_DIR) / "rollout").glob("*.yaml"))
+        raise ValueError(f"--rollout {name}: no such rollout config {path} (known: {', '.join(known)})")
+    cfg = OmegaConf.merge({"run": {"dir": tempfile.mkdtemp(prefix="mcore_rl_eval_")}},
+                          {"rollout": OmegaConf.load(path)})
+    rc = OmegaConf.to_container(cfg.rollout, resolve=True)
+    for key in (*TRAINER_KEYS, "bucket_mb", "nccl"):
+        rc.pop(key, None)
+    rc.update(overrides)
+    return engine or rc.pop("engine", "local"), {k: v for k, v in rc.items() if k != "engine"}
 
 
 def format_table(rows: list[tuple[str, dict[str, float]]], ks: list[int], n: int) -> str:
@@ -92,11 +121,11 @@ def run(a: argparse.Namespace) -> int:
         print(f"model: {model.hf_dir} ({model.kind}, from {model.origin})", file=sys.stderr)
         tok_dir = model.hf_dir if any(model.hf_dir.glob("tokenizer*")) else model.tokenizer_dir
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        engine_name, engine_kwargs = rollout_engine(a.rollout, a.engine, _engine_kwargs(a.engine_arg))
         try:
-            engine = build_engine(a.engine, model_path=str(model.hf_dir), seed=a.seed,
-                                  **_engine_kwargs(a.engine_arg))
+            engine = build_engine(engine_name, model_path=str(model.hf_dir), seed=a.seed, **engine_kwargs)
         except (KeyError, TypeError) as e:  # unknown engine name / constructor argument
-            raise ValueError(f"--engine {a.engine}: {str(e).strip(chr(34) + chr(39))}") from None
+            raise ValueError(f"--engine {engine_name}: {str(e).strip(chr(34) + chr(39))}") from None
         gen = GenerationConfig(n=n, temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
                                seed=a.seed)
         results = []

@@ -12,6 +12,7 @@ over the whole sequence, and every trained sequence counts one forward + backwar
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,6 +58,8 @@ class ComputeState:
     tokens_generated: float = 0.0
     wallclock_s: float = 0.0  # cumulative over restarts, held-out evaluation excluded
     eval_s: float = 0.0  # held-out evaluation time (excluded above: it is not training cost)
+    cpu_s: float = 0.0  # this process's CPU-seconds (all threads), cumulative, held-out evaluation excluded
+    eval_cpu_s: float = 0.0  # CPU-seconds spent in held-out evaluation
 
 
 class ComputeMeter:
@@ -66,6 +69,7 @@ class ComputeMeter:
         self.flops, self.world_size, self.on_gpu = flops, world_size, on_gpu
         self.state = ComputeState()
         self._t0 = time.perf_counter()
+        self._c0 = time.process_time()
 
     def add_round(self, lengths: list[tuple[int, int]], score_passes: int) -> None:
         """One rollout round: its samples were generated once, scored by `score_passes` extra forwards, and each
@@ -76,27 +80,42 @@ class ComputeMeter:
         self.state.flops_train += 3.0 * fwd
         self.state.tokens_generated += float(sum(r for _, r in lengths))
 
-    def add_eval_time(self, seconds: float) -> None:
+    def add_eval_time(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.state.eval_s += seconds
         self.state.wallclock_s -= seconds
+        self.state.eval_cpu_s += cpu_seconds
+        self.state.cpu_s -= cpu_seconds
 
     def record(self) -> dict[str, float]:
         """`wallclock_s` excludes held-out evaluation, so `--x hours` compares arms that evaluate at different
-        rates fairly; `wallclock_total_s` includes it."""
+        rates fairly; `wallclock_total_s` includes it. `cpu_s` is the same for this process's CPU time: on a shared
+        machine wall-clock depends on the load, CPU-seconds much less, so comparisons of arms report both (with
+        `loadavg_1m` at the record)."""
         s = self.state
         wall = s.wallclock_s + time.perf_counter() - self._t0
+        cpu = s.cpu_s + time.process_time() - self._c0
         out = {"flops": s.flops_train + s.flops_generate + s.flops_score, "flops_train": s.flops_train,
                "flops_generate": s.flops_generate, "flops_score": s.flops_score,
-               "tokens_generated": s.tokens_generated, "wallclock_s": wall, "wallclock_total_s": wall + s.eval_s}
+               "tokens_generated": s.tokens_generated, "wallclock_s": wall, "wallclock_total_s": wall + s.eval_s,
+               "cpu_s": cpu, "cpu_total_s": cpu + s.eval_cpu_s, "loadavg_1m": _loadavg()}
         if self.on_gpu:
             out["gpu_hours"] = wall * self.world_size / 3600.0
         return out
 
     def state_dict(self) -> dict[str, float]:
         d = asdict(self.state)
-        d["wallclock_s"] = self.record()["wallclock_s"]
+        rec = self.record()
+        d["wallclock_s"], d["cpu_s"] = rec["wallclock_s"], rec["cpu_s"]
         return d
 
     def load_state_dict(self, d: dict[str, float]) -> None:
         self.state = ComputeState(**{k: float(v) for k, v in d.items() if k in ComputeState.__dataclass_fields__})
         self._t0 = time.perf_counter()
+        self._c0 = time.process_time()
+
+
+def _loadavg() -> float:
+    try:
+        return float(os.getloadavg()[0])
+    except OSError:  # not available on every platform
+        return float("nan")

@@ -22,18 +22,21 @@ class Scorer(Protocol):
 
 
 class MathVerifyScorer:
-    """The trainer's `math_verify` reward (its worker pool), reading only `correct`."""
+    """The trainer's `math_verify` reward (its worker pool), reading only `correct`. `reward`: an existing reward
+    to borrow (the trainer's periodic eval passes its own, so no second worker pool is started; not closed here)."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], reward=None) -> None:
         from mcore_rl.rewards import build_reward
 
-        self.reward = build_reward({"name": "math_verify"})
+        self._owned = reward is None
+        self.reward = build_reward({"name": "math_verify"}) if reward is None else reward
 
     def correct(self, responses: list[str], records: list[PromptRecord]) -> list[bool]:
         return [bool(r.correct) for r in self.reward.score(responses, [rec.answer for rec in records])]
 
     def close(self) -> None:
-        self.reward.close()
+        if self._owned:
+            self.reward.close()
 
 
 def reasoning_gym_candidate(response: str) -> str | None:
@@ -81,5 +84,8 @@ SCORERS: dict[str, Callable[[dict[str, Any]], Scorer]] = {
 }
 
 
-def build_scorer(name: str, options: dict[str, Any]) -> Scorer:
+def build_scorer(name: str, options: dict[str, Any], reward=None) -> Scorer:
+    """`reward`: an existing correctness reward that math_verify scoring may borrow instead of starting its own."""
+    if reward is not None and name == "math_verify":
+        return MathVerifyScorer(options, reward=reward)
     return SCORERS[name](options)

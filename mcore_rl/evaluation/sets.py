@@ -123,8 +123,18 @@ def parse_spec(spec: str, num_prompts: int) -> dict[str, Any]:
     return out
 
 
-def load_set(spec: str, num_prompts: int) -> EvalSet:
-    """Parse, load through mcore_rl.data's registry, keep the first `num_prompts` records, attach the scorer."""
+def set_name(spec: str) -> str:
+    """A short metric-safe name for a spec: `reasoning_gym/gcd:size=8` -> `reasoning_gym_gcd`, a path -> its stem."""
+    base = spec.partition(":")[0]
+    head = base.partition("/")[0]
+    if head not in BASES and (Path(base).suffix or "/" in base):
+        base = Path(base).stem
+    return "".join(c if c.isalnum() or c in "_-." else "_" for c in base).strip("_") or "set"
+
+
+def load_set(spec: str, num_prompts: int, reward=None) -> EvalSet:
+    """Parse, load through mcore_rl.data's registry, keep the first `num_prompts` records, attach the scorer
+    (`reward`: see build_scorer)."""
     options = parse_spec(spec, num_prompts)
     scorer_name = options.pop("scorer", None) or "math_verify"
     if scorer_name not in SCORERS:
@@ -142,4 +152,4 @@ def load_set(spec: str, num_prompts: int) -> EvalSet:
     if auto:
         for r in records:
             r.answer = _auto_answer(r.answer)
-    return EvalSet(ds.name, records, build_scorer(scorer_name, options), options)
+    return EvalSet(ds.name, records, build_scorer(scorer_name, options, reward=reward), options)

@@ -1,4 +1,4 @@
-"""Rank 0's prompt supply: training prompts (seeded, resumable), the fixed held-out set, pass-rate retirement."""
+"""Rank 0's prompt supply: training prompts (seeded, resumable), the fixed held-out set(s), pass-rate retirement."""
 
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ class PromptSource:
         self.model_dir, self.eval_max_new_tokens = model_dir, cfg.eval.max_new_tokens
         self.eval_spec = self._eval_spec(cfg, spec)
         self._eval: list[Prompt] | None = None
+        self.eval_num_prompts = int(cfg.eval.num_prompts)
+        self.eval_set_specs = self._eval_set_specs(cfg)
+        self._eval_sets: list | None = None
         self.stop_token_ids = [t for t in {self.tokenizer.eos_token_id} if t is not None]
 
     def _drop_overlong(self, ds, model_dir: Path, max_new_tokens: int, where: str):
@@ -87,6 +90,63 @@ class PromptSource:
         if "size" in spec:
             spec["size"] = cfg.eval.num_prompts
         return spec
+
+    @staticmethod
+    def _eval_set_specs(cfg: DictConfig) -> list[str]:
+        """`eval.sets`: `mcore-rl-eval --set` specs, checked here (one line naming the entry) before any model loads."""
+        from mcore_rl.evaluation.sets import parse_spec
+
+        specs = list(cfg.eval.get("sets") or [])
+        if specs and cfg.eval.get("data"):
+            raise ConfigError("eval.sets and eval.data are both set: name the held-out sets in one of them")
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, str) or not spec.strip():
+                raise ConfigError(f"eval.sets[{i}]: expected a set spec string like 'arithmetic' or "
+                                  f"'reasoning_gym/gcd', got {spec!r}")
+            try:
+                parse_spec(spec, int(cfg.eval.num_prompts))
+            except ValueError as e:
+                raise ConfigError(f"eval.sets[{i}]: {e}") from None
+        return specs
+
+    def eval_sets(self, reward_fn=None) -> list:
+        """The held-out sets to evaluate: `eval.sets` loaded with mcore-rl-eval's loader and scorers (math_verify
+        scoring borrows the trainer's reward), or the single default set (scored by the trainer's reward, metrics
+        unprefixed)."""
+        from mcore_rl.trainer.evaluate import HeldOutSet
+
+        if self._eval_sets is not None:
+            return self._eval_sets
+        if not self.eval_set_specs:
+            prompts = self.eval_prompts()
+            self._eval_sets = [HeldOutSet("heldout", [p.prompt_ids for p in prompts], prompts, prefixed=False)]
+            return self._eval_sets
+        import json
+
+        from mcore_rl.data import render_prompt
+        from mcore_rl.evaluation.sets import load_set, set_name
+
+        context = json.loads((Path(self.model_dir) / "config.json").read_text()).get("max_position_embeddings")
+        out, names = [], set()
+        for i, spec in enumerate(self.eval_set_specs):
+            try:
+                es = load_set(spec, self.eval_num_prompts, reward=reward_fn)
+            except ValueError as e:
+                raise ConfigError(f"eval.sets[{i}]: {e}") from None
+            rows = [(r, render_prompt(self.tokenizer, r)) for r in es.records]
+            kept = [(r, ids) for r, ids in rows if not context or len(ids) + self.eval_max_new_tokens <= context]
+            if len(kept) < len(rows):
+                log.warning("eval.sets[%d] %s: %d prompt(s) longer than the context minus eval.max_new_tokens "
+                            "skipped", i, spec, len(rows) - len(kept))
+            if not kept:
+                raise ConfigError(f"eval.sets[{i}] {spec}: no prompt fits the context with eval.max_new_tokens")
+            name = base = set_name(spec)
+            while name in names:
+                name = f"{base}_{len(names)}"
+            names.add(name)
+            out.append(HeldOutSet(name, [ids for _, ids in kept], [r for r, _ in kept], scorer=es.scorer))
+        self._eval_sets = out
+        return out
 
     def _render(self, rec) -> Prompt:
         ids = self._cache.get(rec.prompt_id)

@@ -20,7 +20,7 @@ from mcore_rl.policy.policy import Policy
 from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS, SyncOptions
 from mcore_rl.trainer import prompts as prompt_src
-from mcore_rl.trainer.evaluate import evaluate
+from mcore_rl.trainer.evaluate import evaluate_sets
 from mcore_rl.trainer.rollout_batch import RolloutBatch, build_rollout_batch, update_rows
 from mcore_rl.trainer.rounds import PromptsLog, produce
 from mcore_rl.trainer.schedule import build_schedule
@@ -299,12 +299,11 @@ class Run:
             return
         self.last_eval = self.update
         if self.rank == 0:
-            t0 = time.perf_counter()
-            prompts = self.data.eval_prompts()
-            m = evaluate(self.engine, self.reward_fn, [p.prompt_ids for p in prompts], [p.answer for p in prompts],
-                         e.samples_per_prompt, e.temperature, e.max_new_tokens, e.seed, self.data.stop_token_ids)
+            t0, c0 = time.perf_counter(), time.process_time()
+            m = evaluate_sets(self.engine, self.reward_fn, self.data.eval_sets(self.reward_fn), e.samples_per_prompt,
+                              e.temperature, e.max_new_tokens, e.seed, self.data.stop_token_ids)
             m["time_eval"] = time.perf_counter() - t0
-            self.compute.add_eval_time(m["time_eval"])
+            self.compute.add_eval_time(m["time_eval"], time.process_time() - c0)
             m.update(self.compute.record())
             self._last_heldout = m["mean_at_k"]
             self.logger.log(self.update, m, kind="eval")

@@ -4,6 +4,7 @@ eval records carrying cumulative FLOPs / wall-clock that `mcore-rl-scaling --x f
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -42,6 +43,10 @@ def test_forward_flops_sum_the_attention_term_over_positions():
     again = ComputeMeter(f)
     again.load_state_dict(state)  # a resumed run continues the count
     assert again.record()["flops"] == pytest.approx(rec["flops"]) and again.record()["wallclock_s"] >= 0
+    assert again.record()["cpu_s"] >= state["cpu_s"]  # CPU-seconds also carry over a resume
+    meter.add_eval_time(0.5, cpu_seconds=0.25)  # evaluation moves from cpu_s to cpu_total_s only
+    rec2 = meter.record()
+    assert rec2["cpu_total_s"] - rec2["cpu_s"] == pytest.approx(0.25)
 
 
 def last_total(evals: list[dict]) -> float:
@@ -59,6 +64,10 @@ def test_real_run_writes_compute_with_each_eval_and_a_summary(tiny_run_proc, cap
     assert evals[0]["wallclock_s"] < evals[0]["time_eval"] <= evals[0]["wallclock_total_s"]
     total_eval = sum(e["time_eval"] for e in evals)
     assert last_total(evals) - evals[-1]["wallclock_s"] == pytest.approx(total_eval, abs=1e-3)
+    # process CPU-seconds, the same way: cumulative, evaluation excluded, never more than the machine could give
+    assert 0 <= evals[0]["cpu_s"] < evals[1]["cpu_s"] < evals[2]["cpu_s"]
+    assert evals[-1]["cpu_total_s"] > evals[-1]["cpu_s"] and all(e["loadavg_1m"] >= 0 for e in evals)
+    assert evals[-1]["cpu_s"] <= (os.cpu_count() or 1) * evals[-1]["wallclock_s"] + 0.5
     last = evals[-1]
     # grpo_cpu default: on-policy, no old-logp recompute, no reference model -> no scoring passes
     assert last["flops_train"] == pytest.approx(3 * last["flops_generate"])
