@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.config.checks import ConfigError, positive
@@ -17,6 +17,8 @@ class EvalConfig:
     max_new_tokens: int = 48
     seed: int = 777
     data: Any = None                # held-out prompt set (a data yaml dict); null = the training kind, seed + 1000
+    sets: list[Any] = field(default_factory=list)  # several held-out sets as `mcore-rl-eval --set` specs; the
+    #                                 first is the headline metric (checked in trainer/prompts.py, which loads them)
 
     def __post_init__(self) -> None:
         positive("eval.every", self.every, allow_zero=True)

@@ -82,7 +82,7 @@ class PromptSource:
     def _eval_spec(cfg: DictConfig, train_spec: dict) -> dict | None:
         if cfg.eval.num_prompts <= 0:
             return None
-        if cfg.eval.get("data"):
+        if cfg.eval.data:
             return OmegaConf.to_container(cfg.eval.data, resolve=True)
         spec = dict(train_spec)  # same kind; generators get a different seed so the set is fixed and separate
         if "seed" in spec:
@@ -96,7 +96,7 @@ class PromptSource:
         """`eval.sets`: `mcore-rl-eval --set` specs, checked here (one line naming the entry) before any model loads."""
         from mcore_rl.evaluation.sets import parse_spec
 
-        specs = list(cfg.eval.get("sets") or [])
+        specs = list(cfg.eval.sets or [])
         if specs and cfg.eval.get("data"):
             raise ConfigError("eval.sets and eval.data are both set: name the held-out sets in one of them")
         for i, spec in enumerate(specs):

@@ -94,7 +94,7 @@ def main(out: str, overrides: list[str]) -> None:
     if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank() == 0):
         return
-    res = {"rounds": len(records), "rows": 0, "spanning_rows": 0, "stale_tokens": 0, "tokens": 0,
+    res = {"source": run.algorithm.config.old_logp_source, "rounds": len(records), "rows": 0, "spanning_rows": 0, "stale_tokens": 0, "tokens": 0,
            "max_diff": 0.0, "recompute_max_diff": 0.0, "recompute_max_diff_stale": 0.0, "versions": versions}
     for r, ref in zip(records, refs):
         m = r["mask"] > 0

@@ -21,7 +21,8 @@ def async_run(tmp_path: Path, source: str, nproc: int = 1, *extra: str) -> dict:
     run_torchrun(nproc, WORKER, str(out), "model=tiny", f"run.dir={tmp_path / 'run'}", "rollout.sync_mode=disk",
                  f"rollout.sync_dir={tmp_path / 'sync'}", "rollout.keep_versions=100", "rollout.max_batch_size=1",
                  "algorithm.schedule=async", "algorithm.max_staleness=2",
-                 "trainer.deterministic=false",  # free-running async: weight updates land mid-sample f"algorithm.old_logp_source={source}",
+                 "trainer.deterministic=false",  # free-running async: weight updates land mid-sample
+                 f"algorithm.old_logp_source={source}",
                  "algorithm.old_logp_audit_frac=0.5", "algorithm.entropy_coef=0.01", "optim.lr=1e-3",
                  "trainer.steps=5", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
                  "trainer.max_new_tokens=64", "eval.num_prompts=0", "trainer.export_hf=false", "logging.plot=false",
@@ -35,6 +36,7 @@ def check_exact(res: dict, source: str) -> None:
           f"{res['recompute_max_diff_stale']:.3g} stale tokens={res['stale_tokens']}/{res['tokens']} "
           f"spanning rows={res['spanning_rows']} versions={res['versions']} "
           f"regenerated={m.get('old_logp_regenerated_samples')} snapshots={m.get('old_logp_snapshots')}")
+    assert res["source"] == source, res  # the run really used the source under test
     assert res["rounds"] == 5 and len(res["versions"]) >= 3, res
     assert res["stale_tokens"] > 0, "no stale tokens: the run never consumed an older version's tokens"
     assert res["max_diff"] <= 1e-6, (source, res["max_diff"])
