@@ -81,8 +81,18 @@ def rollout_engine(name: str | None, engine: str | None, overrides: dict) -> tup
     if not path.is_file():
         known = sorted(p.stem for p in (Path(CONFIG_DIR) / "rollout").glob("*.yaml"))
         raise ValueError(f"--rollout {name}: no such rollout config {path} (known: {', '.join(known)})")
-    cfg = OmegaConf.merge({"run": {"dir": tempfile.mkdtemp(prefix="mcore_rl_eval_")}},
-                          {"rollout": OmegaConf.load(path)})
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mcore_rl.config import ROLLOUT_SCHEMAS
+
+    raw = OmegaConf.load(path)
+    raw.pop("defaults", None)  # the group's Hydra schema line: the same schema is applied here by hand
+    schema = ROLLOUT_SCHEMAS.get(raw.get("engine", "local"))
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(schema), raw) if schema else raw
+    except OmegaConfBaseException as e:
+        raise ValueError(f"--rollout {name}: {str(e).splitlines()[0]}") from None
+    cfg = OmegaConf.merge({"run": {"dir": tempfile.mkdtemp(prefix="mcore_rl_eval_")}}, {"rollout": node})
     rc = OmegaConf.to_container(cfg.rollout, resolve=True)
     for key in (*TRAINER_KEYS, "bucket_mb", "nccl"):
         rc.pop(key, None)

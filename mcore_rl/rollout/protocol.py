@@ -180,7 +180,14 @@ def expand_requests(requests: Sequence[GenerationRequest]) -> list[tuple[Generat
 
 
 def sample_seed(seed: int | None, sample_index: int) -> int | None:
-    """Distinct, reproducible seed for sample j of a seeded request (None stays None)."""
+    """Distinct, reproducible seed for sample j of a seeded request (None stays None).
+
+    Sample 0 keeps the request's seed as given: a client that splits a request into one request per sample sends
+    `sample_seed(seed, j)` as each one's `sampling_seed`, and SGLang (and mcore-rl-serve) use that seed unchanged,
+    so both paths draw the same tokens.
+    """
     if seed is None:
         return None
+    if sample_index == 0:
+        return int(seed) % (2**63 - 1)
     return (int(seed) * 1_000_003 + sample_index) % (2**63 - 1)
