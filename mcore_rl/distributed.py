@@ -58,6 +58,15 @@ def broadcast_floats(values: list[float], src: int, group=None) -> list[float]:
     return t.tolist()
 
 
+def broadcast_object(obj, src: int = 0):
+    """`obj` from global rank `src` on every rank (pickled); a no-op in a single process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def sum_reducer(group=None):
     """SUM all-reduce over `group` that accepts tensors on any device and returns them on the caller's device."""
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 
 def config_from_dict(cls: type, options: Mapping[str, Any], where: str) -> Any:
@@ -14,3 +17,19 @@ def config_from_dict(cls: type, options: Mapping[str, Any], where: str) -> Any:
     if unknown:
         raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
     return cls(**options)
+
+
+@contextmanager
+def params_swapped(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Load `values` into the live `params` for the duration of the block, then restore the originals: one
+    forward under other weights (EWMA proximal policy, an older snapshot) without a second model in memory."""
+    with torch.no_grad():
+        backup = [p.detach().clone() for p in params]
+        for p, v in zip(params, values):
+            p.copy_(v.to(p.device))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, b in zip(params, backup):
+                p.copy_(b)

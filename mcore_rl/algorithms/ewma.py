@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mcore_rl.utils import params_swapped
+
 
 class EwmaWeights:
     def __init__(self, params: Sequence[Tensor], beta: float, dtype: torch.dtype | None = torch.float32) -> None:
@@ -62,16 +64,8 @@ class EwmaWeights:
     def swapped_in(self, params: Sequence[Tensor]) -> Iterator[None]:
         """Temporarily load the EWMA weights into the live params (for the proximal forward), then restore."""
         self._check(params)
-        with torch.no_grad():
-            backup = [p.detach().clone() for p in params]
-            for p, s in zip(params, self.shadow):
-                p.copy_(s)
-        try:
+        with params_swapped(params, self.shadow):
             yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(params, backup):
-                    p.copy_(b)
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "weight": self.weight, "num_updates": self.num_updates,

@@ -13,19 +13,11 @@ by a model holding its own version.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from mcore_rl.distributed import broadcast_object
 from mcore_rl.oldlogp.base import OldLogpSource, SourceContext
 from mcore_rl.oldlogp.interrupt import check_single_version
 from mcore_rl.oldlogp.registry import register_source
-
-
-def _broadcast(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _row_key(tokens: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor) -> tuple | None:
@@ -77,7 +69,7 @@ class OldLogitModelSource(OldLogpSource):
                     continue  # already scored, or generated under the new version (scored later)
                 self.seen.add(ident)
                 todo.append(s)
-        todo = _broadcast(todo) or []
+        todo = broadcast_object(todo) or []
         if not todo:
             return
         n = len(todo)

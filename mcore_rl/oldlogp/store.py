@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from mcore_rl.utils import params_swapped
+
 
 class MissingVersionError(RuntimeError):
     """A token's generating version has no stored weights: an exact old log-prob cannot be computed."""
@@ -52,16 +54,8 @@ class VersionStore:
         saved = self._weights[version]
         if len(saved) != len(params):
             raise ValueError(f"version {version}: {len(saved)} stored tensors, the model has {len(params)}")
-        with torch.no_grad():
-            backup = [p.detach().clone() for p in params]
-            for p, s in zip(params, saved):
-                p.copy_(s.to(p.device))
-        try:
+        with params_swapped(params, saved):
             yield
-        finally:
-            with torch.no_grad():
-                for p, b in zip(params, backup):
-                    p.copy_(b)
 
 
 def token_versions(rb) -> list[int]:

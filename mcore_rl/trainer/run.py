@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl.agreement import FatalRunError
 from mcore_rl.algorithms import build_algorithm
-from mcore_rl.distributed import init_distributed
+from mcore_rl.distributed import broadcast_object, init_distributed
 from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
 from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
@@ -38,14 +38,6 @@ from mcore_rl.trainer.update import NonFiniteGuard, run_update
 log = logging.getLogger("mcore_rl")
 
 
-def _broadcast(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class Run:
     def __init__(self, cfg: DictConfig):
         validate_config(cfg)  # one-line errors before anything heavy
@@ -60,7 +52,7 @@ class Run:
         from megatron.core import parallel_state as ps
 
         self.dp_rank = ps.get_data_parallel_rank()
-        self.run_dir = Path(_broadcast(str(Path(cfg.run.dir).resolve())))
+        self.run_dir = Path(broadcast_object(str(Path(cfg.run.dir).resolve())))
         self.algorithm = build_algorithm(algorithm_spec(cfg))
         ac = self.algorithm.config
         # sync / staged / async: when generation is submitted, what happens around training (trainer/schedule/)
@@ -184,7 +176,7 @@ class Run:
                 payload = produce(self, num_updates)
             except FatalRunError as e:  # every rank must stop, not wait in the broadcast below
                 payload = str(e)
-        payload = _broadcast(payload)
+        payload = broadcast_object(payload)
         if isinstance(payload, str):
             raise FatalRunError(payload)
         if payload is None:
