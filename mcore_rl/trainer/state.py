@@ -136,12 +136,12 @@ def trainer_state(run) -> dict[str, Any]:
 def checkpoint(run) -> Path:
     """Collective. Per rank: EWMA weights; rank 0 also the schedule's in-flight rounds (prompt ids, seeds and
     the samples of finished requests), which can be large, so they go to the rank file, not the JSON meta."""
-    from mcore_rl.trainer.run import _broadcast
+    from mcore_rl.distributed import broadcast_object
 
     extra = {"ewma": run.ewma.state_dict()} if run.ewma is not None else {}
     if run.rank == 0:
         extra["schedule"] = run.schedule.state_dict()
-    return save_checkpoint(run.ckpt_root, run.update, run.policy, _broadcast(trainer_state(run)),
+    return save_checkpoint(run.ckpt_root, run.update, run.policy, broadcast_object(trainer_state(run)),
                            rank_extra=extra, keep=run.cfg.trainer.keep_checkpoints)
 
 
