@@ -81,3 +81,28 @@ def test_compiled_logprobs_equal_fp32_reference(temperature, with_entropy, pad, 
     assert (g.float() - g_e.float()).abs().max() <= BF16_ULP * g_e.float().abs().max()
     if pad:
         assert g[..., V:].abs().max() == 0  # padded vocab rows get no gradient
+
+
+def test_fused_cpu_adam_switch_gives_the_same_update():
+    """`use_fused_cpu_adam` flips torch AdamW under a Megatron-style wrapper to fused=True; same update to ~ulp."""
+    from types import SimpleNamespace
+
+    from mcore_rl.policy.build import use_fused_cpu_adam
+
+    g = torch.Generator().manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (1000, 37)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ref = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.01)
+    ours = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=torch.optim.AdamW(b, lr=1e-2,
+                                                                                          weight_decay=0.01))])
+    assert use_fused_cpu_adam(ours) == 1 and use_fused_cpu_adam(ours) == 0  # idempotent
+    for step in range(3):
+        for p, q in zip(a, b):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        ref.step()
+        ours.chained_optimizers[0].optimizer.step()
+    diff = max((p - q).abs().max().item() for p, q in zip(a, b))
+    moved = max((p - p0).abs().max().item() for p, p0 in zip(a, [torch.randn(n, generator=torch.Generator()
+                                                                             .manual_seed(0)) for n in (1000,)]))
+    assert diff < 1e-6 and moved > 1e-3
