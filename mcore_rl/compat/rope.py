@@ -6,7 +6,8 @@ Why: without Transformer Engine's fused kernel, Megatron applies rotary embeddin
 cos/sin are recomputed 2 x num_layers times. In a bf16 fwd+bwd on CPU these element-wise ops cost more than the
 attention itself (profile in docs/performance.md). Here cos/sin are cached per `freqs` tensor (checked by identity
 and version) and the empty-`t_pass` concatenation is skipped; the arithmetic is Megatron's, operation for
-operation, so results are identical. Anything else (packed sequences, interleaved or MLA rotary, partial rotary,
+operation, so results are identical (fp32; bf16/fp16 go through the compiled `fused_ops.rope`, same formula
+rounded once). Anything else (packed sequences, interleaved or MLA rotary, partial rotary,
 fused RoPE) goes to Megatron's own function.
 """
 
@@ -52,6 +53,11 @@ def install() -> None:
                 or config.multi_latent_attention or freqs.shape[-1] != t.shape[-1] or freqs.requires_grad):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         cos_, sin_ = _cos_sin(freqs, t.dtype, mscale)
+        if t.dtype != torch.float32:  # bf16/fp16: one compiled loop fwd and bwd (models/fused_ops.py)
+            from mcore_rl.models.fused_ops import compile_enabled, rope
+
+            if compile_enabled():
+                return rope(t, cos_, sin_)
         x1, x2 = torch.chunk(t, 2, dim=-1)
         return (t * cos_) + (torch.cat((-x2, x1), dim=-1) * sin_)
 

@@ -80,6 +80,11 @@ def build_gpt_model(
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
+    if (config.bf16 or config.fp16) and impl == "local":
+        from mcore_rl.models.fused_ops import fuse_model
+
+        # compiled RMSNorm / SwiGLU (RoPE and the log-softmax follow the dtype by themselves); fp32 stays eager
+        model.fused_ops = fuse_model(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if config.bf16 or config.fp16:
@@ -117,6 +122,7 @@ def build_optimizer(model, build: BuildConfig, optim: OptimConfig):
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(cfg, [model])
+    use_fused_cpu_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if optim.warmup_steps else optim.lr,
@@ -131,6 +137,26 @@ def build_optimizer(model, build: BuildConfig, optim: OptimConfig):
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def use_fused_cpu_adam(optimizer) -> int:
+    """Switch torch's Adam/AdamW under Megatron's optimizer to its fused CPU kernel (returns groups switched).
+
+    Why: without Apex/TE, Megatron falls back to `torch.optim.AdamW` with its defaults, which on CPU is the
+    single-tensor loop: ~10 element-wise passes per parameter tensor. `fused=True` (a CPU kernel since torch 2.4)
+    does the whole update in one pass: measured 5-10x faster on SmolLM2's 135M fp32 master params, same update
+    to ~1 ulp. Only where every parameter is on CPU (GPU runs keep TE/Apex FusedAdam or torch's own choice).
+    """
+    n = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if all(p.device.type == "cpu" for p in group["params"]) and not group.get("fused"):
+                group["fused"], group["foreach"] = True, False
+                n += 1
+    return n
 
 
 def unwrap(model) -> torch.nn.Module:

@@ -108,6 +108,10 @@ def test_bf16_uses_megatron_mixed_precision(logprobs_by_dtype):
     mains = [p for o in opts for g in o.fp32_from_float16_groups for p in g]
     assert mains and {p.dtype for p in mains} == {torch.float32}
     assert {p.main_grad.dtype for p in pol.model.parameters()} == {torch.float32}
+    # compiled element-wise ops (models/fused_ops.py): every RMSNorm (2 per layer + final) and every SwiGLU MLP
+    L = pol.args.num_layers
+    assert pol.gpt.fused_ops == {"rms_norm": 2 * L + 1, "swiglu": L}
+    assert all(g["fused"] for o in opts for g in o.optimizer.param_groups)  # fused CPU AdamW (policy/build.py)
     before = mains[0].detach().clone()
     tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
     _, m = pol.train_step(PolicyBatch(tokens, torch.ones(2, 16)),

@@ -1,0 +1,108 @@
+"""The compiled element-wise ops of the bf16 path (models/fused_ops.py, policy/logprobs.py) against fp32 eager.
+
+Each compiled op is fed bf16 inputs; its output and input gradients are compared with the same maths in fp32 on
+the same (bf16-exact) values. The compiled op rounds once, where eager bf16 rounds after every op, so its error
+must not exceed eager bf16's (x1.25 + 1 bf16 ulp of slack); the log-probs, computed in fp32 from bf16 logits, must
+equal the fp32 reference to 1e-4. fp32 calls never reach these functions (the exactness tests stay eager).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcore_rl.models import fused_ops
+from mcore_rl.policy.logprobs import reference_logprobs, vocab_parallel_logprobs
+
+BF16_ULP = 2.0**-8
+
+
+def _leaf(shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(torch.bfloat16).requires_grad_()
+
+
+def _run(fn, *xs, grad_seed=99):
+    out = fn(*xs)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    grads = torch.autograd.grad(out, [x for x in xs if x.requires_grad], gy)
+    return out.float(), [g.float() for g in grads]
+
+
+def _compare(compiled, eager_fn, *xs):
+    ref_out, ref_g = _run(eager_fn, *[x.detach().float().requires_grad_(x.requires_grad) for x in xs])
+    eag_out, eag_g = _run(eager_fn, *xs)
+    com_out, com_g = _run(compiled, *xs)
+    for c, e, r in zip([com_out, *com_g], [eag_out, *eag_g], [ref_out, *ref_g]):
+        scale = r.abs().max().item()
+        err_c, err_e = (c - r).abs().max().item(), (e - r).abs().max().item()
+        assert err_c <= 1.25 * err_e + BF16_ULP * scale, (err_c, err_e, scale)
+        assert err_c <= 4 * BF16_ULP * scale  # at most a few bf16 roundings of the largest value
+
+
+def _eager_rms(x, w):
+    return fused_ops._rms_norm(x, w, 1e-5) if x.dtype == torch.float32 else torch.nn.functional.rms_norm(
+        x, (x.shape[-1],), w, 1e-5)
+
+
+def test_compiled_rms_norm_swiglu_rope_match_fp32():
+    x, w = _leaf((7, 3, 64), 0), _leaf((64,), 1, 0.5)
+    _compare(lambda a, b: fused_ops.rms_norm(a, b, 1e-5), _eager_rms, x, w)
+    h = _leaf((5, 2, 96), 2, 2.0)
+
+    def eager_swiglu(t):
+        a, b = torch.chunk(t, 2, -1)
+        return F.silu(a) * b
+
+    _compare(fused_ops.swiglu, eager_swiglu, h)
+    t = _leaf((6, 2, 3, 16), 3)
+    ang = torch.rand(6, 1, 1, 16, generator=torch.Generator().manual_seed(4)) * 6
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    _compare(lambda a: fused_ops.rope(a, cos, sin), lambda a: fused_ops._rope(a, cos.to(a.dtype), sin.to(a.dtype)), t)
+
+
+@pytest.mark.parametrize("temperature,with_entropy,pad", [(1.0, True, 0), (0.7, False, 5)])
+def test_compiled_logprobs_equal_fp32_reference(temperature, with_entropy, pad, monkeypatch):
+    """bf16 logits -> fp32 log-probs / entropy / gradients, compiled vs the eager path, and padded vocab rows."""
+    V = 300
+    logits = _leaf((2, 9, V + pad), 5, 4.0)
+    targets = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(6))
+    lp, ent = vocab_parallel_logprobs(logits, targets, V, temperature, with_entropy)
+    ref = reference_logprobs(logits.detach().float()[..., :V], targets, temperature)
+    assert lp.dtype == torch.float32 and (lp - ref).abs().max() < 1e-4
+    g = torch.autograd.grad(lp.sum() + (ent.sum() if ent is not None else 0), logits)[0]
+    monkeypatch.setenv("MCORE_RL_COMPILE", "0")  # the eager path on the same bf16 logits
+    lp_e, ent_e = vocab_parallel_logprobs(logits, targets, V, temperature, with_entropy)
+    g_e = torch.autograd.grad(lp_e.sum() + (ent_e.sum() if ent_e is not None else 0), logits)[0]
+    assert (lp - lp_e).abs().max() < 1e-4
+    if with_entropy:
+        assert ent_e is not None and (ent - ent_e).abs().max() < 1e-4 and ent.min() > 0
+    assert (g.float() - g_e.float()).abs().max() <= BF16_ULP * g_e.float().abs().max()
+    if pad:
+        assert g[..., V:].abs().max() == 0  # padded vocab rows get no gradient
+
+
+def test_fused_cpu_adam_switch_gives_the_same_update():
+    """`use_fused_cpu_adam` flips torch AdamW under a Megatron-style wrapper to fused=True; same update to ~ulp."""
+    from types import SimpleNamespace
+
+    from mcore_rl.policy.build import use_fused_cpu_adam
+
+    g = torch.Generator().manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (1000, 37)]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ref = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.01)
+    ours = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=torch.optim.AdamW(b, lr=1e-2,
+                                                                                          weight_decay=0.01))])
+    assert use_fused_cpu_adam(ours) == 1 and use_fused_cpu_adam(ours) == 0  # idempotent
+    for step in range(3):
+        for p, q in zip(a, b):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        ref.step()
+        ours.chained_optimizers[0].optimizer.step()
+    diff = max((p - q).abs().max().item() for p, q in zip(a, b))
+    moved = max((p - p0).abs().max().item() for p, p0 in zip(a, [torch.randn(n, generator=torch.Generator()
+                                                                             .manual_seed(0)) for n in (1000,)]))
+    assert diff < 1e-6 and moved > 1e-3
