@@ -79,6 +79,16 @@ class OldLogpSource:
     def compute(self, rb, version: int) -> Tensor | None:
         raise NotImplementedError
 
+    # ---- checkpoint (per rank: each rank's own shard of every stored version) ------------------------------
+    def state_dict(self) -> dict:
+        """What an exact resume needs: the stored weight versions that samples restored from the checkpoint (the
+        async schedule keeps finished, unconsumed rounds) were generated with. At most max_staleness + 1 copies."""
+        return {"store": self.store.state_dict()} if self.store is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.store is not None and state.get("store"):
+            self.store.load_state_dict(state["store"])
+
     def metrics(self) -> dict[str, float]:
         m = dict(self._metrics)
         if self.store is not None:  # the source's own copies, or the audit's (measurement overhead only)

@@ -111,6 +111,18 @@ class OldLogitModelSource(OldLogpSource):
         self.seen = {s for s in self.seen if s[2] >= floor}
         return out
 
+    def state_dict(self) -> dict:
+        """Plus the log-probs already scored at their version for samples not consumed yet (the held weights are
+        the trainer's at the checkpoint, reloaded by on_version after a resume)."""
+        return {**super().state_dict(), "cache": {k: list(e) for k, e in self.cache.items()},
+                "seen": sorted(self.seen), "scored_early": self.scored_early}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.cache = {tuple(k): list(e) for k, e in (state.get("cache") or {}).items()}
+        self.seen = {tuple(s) for s in state.get("seen") or []}
+        self.scored_early = int(state.get("scored_early", 0))
+
     def metrics(self) -> dict[str, float]:
         m = super().metrics()
         m["old_logit_model_gb"] = sum(p.numel() * p.element_size() for p in self.model.gpt.parameters()) / 2**30

@@ -34,6 +34,12 @@ class VersionStore:
         for v in [v for v in self._weights if v < version]:
             del self._weights[v]
 
+    def state_dict(self) -> dict[int, list[Tensor]]:
+        return dict(self._weights)
+
+    def load_state_dict(self, state: dict[int, list[Tensor]]) -> None:
+        self._weights = {int(v): list(ts) for v, ts in state.items()}
+
     def __contains__(self, version: int) -> bool:
         return int(version) in self._weights
 

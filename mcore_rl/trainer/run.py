@@ -118,6 +118,8 @@ class Run:
             policy=self.policy, temperature=cfg.trainer.temperature, staleness=self.schedule.depth, engine=self.engine,
             make_policy=lambda: Policy(self.model_dir, policy_config(cfg), trainable=False),
             audit_frac=ac.old_logp_audit_frac, seed=cfg.seed))
+        if self.resumed_oldlogp:  # the versions restored in-flight samples were generated with
+            self.oldlogp.load_state_dict(self.resumed_oldlogp)
         self.oldlogp.on_version(self.version, self._finished_samples if self.rank == 0 else None)
         # <<< oldlogp hook 1/3
 

@@ -141,6 +141,9 @@ def checkpoint(run) -> Path:
     extra = {"ewma": run.ewma.state_dict()} if run.ewma is not None else {}
     if run.rank == 0:
         extra["schedule"] = run.schedule.state_dict()
+    oldlogp = getattr(run, "oldlogp", None)
+    if oldlogp is not None and oldlogp.state_dict():  # stored weight versions of the samples still in flight
+        extra["oldlogp"] = oldlogp.state_dict()
     return save_checkpoint(run.ckpt_root, run.update, run.policy, broadcast_object(trainer_state(run)),
                            rank_extra=extra, keep=run.cfg.trainer.keep_checkpoints)
 
@@ -166,6 +169,7 @@ def resume_or_start(run) -> None:
             run.compute.load_state_dict(t["compute"])
         log.warning("resumed from %s at update %d", ckpt, run.update)
         need_sync = True
+    run.resumed_oldlogp = extra.get("oldlogp")  # loaded once the old-log-prob source exists (run.py)
     if need_sync:
         run.sync_weights(bump=False)
     if run.rank == 0:

@@ -47,16 +47,20 @@ ASYNC = ["schedule=async", "algorithm.max_staleness=2", "trainer.deterministic=t
 
 
 @pytest.mark.faults
-@pytest.mark.slow  # three runs: ~75 s of CPU, 1.5-3 min wall
-def test_async_k2_sigkill_after_checkpoint_resumes_exactly(sevens, tmp_path):
+@pytest.mark.slow  # three runs: ~75 s of CPU, 1.5-3 min wall per source
+@pytest.mark.parametrize("source", ["rollout", "snapshot", "old_logit_model"])
+def test_async_k2_sigkill_after_checkpoint_resumes_exactly(sevens, tmp_path, source):
+    """The exact old-log-prob sources need the weight versions of the restored in-flight samples: the checkpoint
+    carries each rank's stored versions (snapshot) and the already-scored log-probs (old_logit_model)."""
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
-    proc = _train([*sevens, *ASYNC, f"run.dir={ref_dir}"])
+    args = [*sevens, *ASYNC, f"algorithm.old_logp_source={source}"]
+    proc = _train([*args, f"run.dir={ref_dir}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     # SIGKILL right after the step-2 checkpoint is durable (rounds 3 and 4 are in flight at that moment)
-    proc = _train([*sevens, *ASYNC, f"run.dir={kill_dir}"], env={"MCORE_RL_CRASH_AT": "after_latest:2"})
+    proc = _train([*args, f"run.dir={kill_dir}"], env={"MCORE_RL_CRASH_AT": "after_latest:2"})
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert (kill_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    proc = _train([*sevens, *ASYNC, f"run.dir={kill_dir}"])
+    proc = _train([*args, f"run.dir={kill_dir}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed 2 round(s) in flight" in proc.stderr
     ref, res = _last_per_step(ref_dir / "metrics.jsonl"), _last_per_step(kill_dir / "metrics.jsonl")
