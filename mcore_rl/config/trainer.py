@@ -18,7 +18,7 @@ class TrainerConfig:
     token_budget: int = 512         # tokens per micro-batch (rows x padded length): bounds activation memory
     resume: str = "auto"            # auto: continue from run.dir/checkpoints/latest if present | never
     save_every: int = 10            # checkpoint every N steps (0 = only at the end)
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2       # newest checkpoints kept (0 = keep every one)
     export_hf: bool = True          # write an HF folder (run.dir/hf) at the end
     deterministic: bool = True      # fixed threads + seeds: resumed runs reproduce an uninterrupted run's losses
     sync_weights: bool = True       # push new weights to the rollout engine after every update
@@ -27,9 +27,10 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         positive("trainer.steps", self.steps, allow_zero=True)
         for key in ("prompts_per_update", "samples_per_prompt", "max_new_tokens", "token_budget",
-                    "max_nonfinite_skips", "keep_checkpoints"):
+                    "max_nonfinite_skips"):
             positive(f"trainer.{key}", getattr(self, key))
         positive("trainer.save_every", self.save_every, allow_zero=True)
+        positive("trainer.keep_checkpoints", self.keep_checkpoints, allow_zero=True)
         if self.temperature <= 0:
             raise ConfigError(f"trainer.temperature={self.temperature} must be > 0 for RL sampling")
         if not 0 < self.top_p <= 1:

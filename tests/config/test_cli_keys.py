@@ -214,7 +214,7 @@ ALGORITHM_OVERRIDES = {
              "algorithm.correction.tis_max=3.0", "algorithm.correction.tis_min=0.1", "algorithm.correction.low=0.4",
              "algorithm.correction.high=2.5", "algorithm.correction.veto_threshold=1e-4",
              "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=2"],
-    "mu_grpo": ["algorithm.schedule=staged", "algorithm.stages=2", "algorithm.updates_per_stage=2",
+    "mu_grpo": ["algorithm.schedule=staged", "algorithm.updates_per_stage=2",
                 "algorithm.nav_scope=seq", "algorithm.nav_delta=0.001"],
     "scalerl": ["algorithm.eps_min=0.1", "algorithm.eps_max=4.0"],
     "p3o": ["algorithm.ess_scope=batch", "algorithm.ess_eps=1e-6"],

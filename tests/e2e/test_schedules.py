@@ -93,7 +93,9 @@ def test_dapo_dynamic_sampling_three_updates(sevens, tmp_path):
         # about 1 group in 4 has equal rewards on this model: the data allows a full batch within 3 draws
         assert r["zero_variance_groups"] == 0.0, r
         assert 1 <= r["dynamic_sampling_rounds"] <= 3
-        assert 0 < r["reward_mean"] < 1 and abs(r["loss"]) > 0
+        # on-policy the loss VALUE can be exactly 0 (ratio 1, equal lengths: token-mean of normalised advantages);
+        # its gradient is not
+        assert 0 < r["reward_mean"] < 1 and r["grad_norm"] > 0
     print("DAPO draws per update:", [r["dynamic_sampling_rounds"] for r in recs])
 
 
