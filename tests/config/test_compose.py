@@ -127,5 +127,6 @@ def test_cli_misspelled_key_one_line_exit_2(override, needle, tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert needle in lines[-1] and sum("config error" in ln for ln in lines) == 1, proc.stderr[-3000:]
+    errors = [ln for ln in lines if "config error" in ln]  # torch's CUDA wheel may log a warning after it
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
