@@ -149,3 +149,20 @@ def git_rev() -> str:
                               cwd=Path(__file__).parent).stdout.strip()
     except OSError:
         return "?"
+
+
+def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tuple[str, ...],
+              report) -> None:
+    """The CLI every arms experiment shares: run (a subset of) its arms sequentially, then write the report."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report-only", action="store_true", help="rebuild results.md/PNG from data/ only")
+    ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (names)")
+    args = ap.parse_args()
+    if not args.report_only:
+        for arm in arms:
+            if args.arms is None or arm.name in args.arms:
+                run_arm(exp, arm)
+                collect(exp_dir, exp, arm, train_keys)
+    report()

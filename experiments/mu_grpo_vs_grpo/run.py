@@ -7,7 +7,6 @@ each arm needs to first reach a common target accuracy. See README.md.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import Arm, arm_meta, collect, evals, first_reaching, fmt, git_rev, run_arm  # noqa: E402
+from common import Arm, arm_meta, arms_main, collect, evals, first_reaching, fmt, git_rev  # noqa: E402
 
 EXP = "mu_grpo_vs_grpo"
 STEPS = 24
@@ -152,16 +151,7 @@ def report() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--report-only", action="store_true", help="rebuild results.md/PNG from data/ only")
-    ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (names)")
-    args = ap.parse_args()
-    if not args.report_only:
-        for arm in ARMS:
-            if args.arms is None or arm.name in args.arms:
-                run_arm(EXP, arm)
-                collect(HERE, EXP, arm, TRAIN_KEYS)
-    report()
+    arms_main(__doc__, HERE, EXP, ARMS, TRAIN_KEYS, report)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ P3O at mu=1, 4, 8 and GRPO at mu=8, 16 updates each.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import Arm, arm_meta, collect, git_rev, read_jsonl, run_arm  # noqa: E402
+from common import Arm, arm_meta, arms_main, collect, git_rev, read_jsonl  # noqa: E402
 
 EXP = "p3o_vs_grpo"
 STEPS = 16
@@ -140,16 +139,7 @@ def report() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--report-only", action="store_true", help="rebuild results.md/PNG from data/ only")
-    ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (names)")
-    args = ap.parse_args()
-    if not args.report_only:
-        for arm in ARMS:
-            if args.arms is None or arm.name in args.arms:
-                run_arm(EXP, arm)
-                collect(HERE, EXP, arm, TRAIN_KEYS)
-    report()
+    arms_main(__doc__, HERE, EXP, ARMS, TRAIN_KEYS, report)
 
 
 if __name__ == "__main__":
