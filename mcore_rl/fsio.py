@@ -118,11 +118,7 @@ def commit_staging(tmp: str | Path, final: str | Path, on_swap=None) -> Path:
     tmp, final = Path(tmp), Path(final)
     fsync_tree(tmp)
     if final.exists():
-        old = final.with_name(final.name + OLD_SUFFIX)
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        fsync_dir(final.parent)
+        old = _move_aside(final)
         if on_swap is not None:
             on_swap()
         os.replace(tmp, final)
@@ -167,17 +163,23 @@ def atomic_dir(final: str | Path, overwrite: bool = False) -> Iterator[Path]:
     commit_staging(tmp, final)
 
 
+def _move_aside(path: Path) -> Path:
+    """Rename `path` to `<name>.old` (replacing a stale one) and make the rename durable; returns the new name."""
+    old = path.with_name(path.name + OLD_SUFFIX)
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(path, old)
+    fsync_dir(path.parent)
+    return old
+
+
 def remove_tree(path: str | Path, on_renamed=None) -> None:
     """Delete a folder so that no crash leaves it half-deleted under its own name: rename it to `<name>.old`
     (durably) first, then delete. `on_renamed()` runs in between (a crash-test hook)."""
     path = Path(path)
     if not path.exists():
         return
-    old = path.with_name(path.name + OLD_SUFFIX)
-    if old.exists():
-        shutil.rmtree(old)
-    os.replace(path, old)
-    fsync_dir(path.parent)
+    old = _move_aside(path)
     if on_renamed is not None:
         on_renamed()
     shutil.rmtree(old, ignore_errors=True)
