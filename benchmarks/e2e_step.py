@@ -15,8 +15,9 @@ import json
 import resource
 import statistics
 import sys
-import tempfile
 from pathlib import Path
+
+from scratch import scratch_dir  # benchmarks/scratch.py (sys.path[0] is this folder)
 
 PHASES = ("time_generate", "time_reward", "time_old_logp", "time_train", "time_sync")
 
@@ -40,7 +41,7 @@ def main() -> None:
 
     from mcore_rl.train import CONFIG_DIR, run_training
 
-    run_dir = Path(tempfile.mkdtemp(prefix="e2e_step_"))
+    run_dir = scratch_dir("e2e_step_")
     overrides = [f"trainer.steps={a.steps}", "trainer.prompts_per_update=8", "trainer.samples_per_prompt=4",
                  "trainer.max_new_tokens=48", "trainer.temperature=0.7", "algorithm.updates_per_rollout=1",
                  "eval.num_prompts=0", "trainer.save_every=0", "trainer.export_hf=false", "logging.progress=false",

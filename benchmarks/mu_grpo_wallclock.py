@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
-from pathlib import Path
+
+from scratch import scratch_dir  # benchmarks/scratch.py (sys.path[0] is this folder)
 
 PHASES = ("time_generate", "time_reward", "time_old_logp", "time_train", "time_sync", "time_switch")
 
@@ -25,7 +25,7 @@ def run(name: str, overrides: list[str]) -> tuple[float, dict[str, float]]:
     from mcore_rl.trainer.loop import train
     from mcore_rl.trainer.run import Run
 
-    run_dir = Path(tempfile.mkdtemp(prefix=f"mu_bench_{name}_"))
+    run_dir = scratch_dir(f"mu_bench_{name}_")
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*overrides, f"run.dir={run_dir}"])
     r = Run(cfg)  # model build, weight load and the baseline are outside the timed loop

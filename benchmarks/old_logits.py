@@ -20,9 +20,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from scratch import scratch_dir  # benchmarks/scratch.py (sys.path[0] is this folder)
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("rollout", "recompute", "snapshot", "old_logit_model", "interrupt")
@@ -75,7 +76,7 @@ def main() -> None:
     ap.add_argument("--sources", default=",".join(SOURCES))
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
-    root = Path(a.workdir or tempfile.mkdtemp(prefix="old_logits_"))
+    root = Path(a.workdir) if a.workdir else scratch_dir("old_logits_")
     rows = [run_source(s, a, root) for s in a.sources.split(",")]
     print(f"SmolLM2-135M {a.dtype}, async k={a.k}, {a.updates} updates, {a.prompts} prompts x {a.samples} samples, "
           f"{a.max_new_tokens} new tokens, audit on {a.audit_frac:.0%} of rows")

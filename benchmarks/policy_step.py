@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
+
+from scratch import scratch_dir  # benchmarks/scratch.py (sys.path[0] is this folder)
 
 
 def bench(fn, iters: int, best: list | None = None) -> float:
@@ -130,7 +131,7 @@ def main() -> None:
         if a.model == "llama-0.5b":  # Qwen2.5-0.5B-like Llama shape, random weights (GPU MFU runs)
             shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-        folder = tempfile.mkdtemp()
+        folder = str(scratch_dir("policy_step_"))
         AutoModelForCausalLM.from_config(LlamaConfig(**shape)).save_pretrained(folder)
 
     from mcore_rl.distributed import init_distributed

@@ -16,8 +16,9 @@ import os
 import random
 import resource
 import statistics
-import tempfile
 import time
+
+from scratch import scratch_dir  # benchmarks/scratch.py (sys.path[0] is this folder)
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
         return out
 
     cfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_grpo_"), per_device_train_batch_size=32, num_generations=4,
+        output_dir=str(scratch_dir("trl_grpo_")), per_device_train_batch_size=32, num_generations=4,
         max_completion_length=48, temperature=0.7, learning_rate=2e-5, beta=0.0, max_steps=a.steps,
         use_cpu=True, bf16=a.precision == "bf16", logging_steps=1, report_to="none", save_strategy="no",
         seed=0, dataloader_num_workers=0,

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
+
+from scratch import scratch_dir  # benchmarks/scratch.py (sys.path[0] is this folder)
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        folder = tempfile.mkdtemp()
+        folder = str(scratch_dir("weight_sync_model_"))
         LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                                      num_attention_heads=4, num_key_value_heads=2,
                                      vocab_size=8192)).save_pretrained(folder)
@@ -46,7 +47,7 @@ def main() -> None:
     policy = Policy(folder, PolicyConfig(), trainable=False)
     policy.load_hf(folder)
     engine = LocalEngine(str(folder))
-    sync_dir = tempfile.mkdtemp()
+    sync_dir = str(scratch_dir("weight_sync_"))
     sync_t, gb = [], 0.0
     for v in range(a.repeats):
         st = sync_weights(policy, engine, version=v + 1, mode=a.mode,

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", action="store_true",
                    help="run directory: evaluate its latest checkpoint even when an hf/ export exists")
     p.add_argument("--hf-config", default=None, help="HF config + tokenizer folder for a Megatron checkpoint")
-    p.add_argument("--export-dir", default=None, help="where checkpoint exports go (default: a temp dir)")
+    p.add_argument("--export-dir", default=None, help="keep checkpoint exports here (default: a temp dir removed at exit)")
     p.add_argument("--out", default="eval_results.jsonl", help="append one summary line per set here")
     p.add_argument("--samples-out", default=None, help="also write every prompt's responses and verdicts here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -64,14 +65,13 @@ def _engine_kwargs(items: list[str]) -> dict:
     return out
 
 
-def rollout_engine(name: str | None, engine: str | None, overrides: dict) -> tuple[str, dict]:
+def rollout_engine(name: str | None, engine: str | None, overrides: dict,
+                   work_dir: str | Path | None = None) -> tuple[str, dict]:
     """(engine name, constructor kwargs) from a rollout yaml (training's `rollout=` group or a file) + overrides.
     The trainer-only keys (weight sync) are dropped: evaluation never updates weights. `${run.dir}` (launcher
-    logs) resolves to a fresh temp dir."""
+    logs) resolves to `work_dir`, the invocation's scratch folder (removed when the evaluation ends)."""
     if name is None:
         return engine or "local", overrides
-    import tempfile
-
     from omegaconf import OmegaConf
 
     from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS
@@ -92,7 +92,7 @@ def rollout_engine(name: str | None, engine: str | None, overrides: dict) -> tup
         node = OmegaConf.merge(OmegaConf.structured(schema), raw) if schema else raw
     except OmegaConfBaseException as e:
         raise ValueError(f"--rollout {name}: {str(e).splitlines()[0]}") from None
-    cfg = OmegaConf.merge({"run": {"dir": tempfile.mkdtemp(prefix="mcore_rl_eval_")}}, {"rollout": node})
+    cfg = OmegaConf.merge({"run": {"dir": str(work_dir or tempfile.gettempdir())}}, {"rollout": node})
     rc = OmegaConf.to_container(cfg.rollout, resolve=True)
     for key in (*TRAINER_KEYS, "bucket_mb", "nccl"):
         rc.pop(key, None)
@@ -126,12 +126,15 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError(f"--k must satisfy 1 <= k <= n={n}; got {ks}")
     specs = a.sets or ["arithmetic"]
     sets = [(spec, load_set(spec, a.num_prompts)) for spec in specs]  # bad specs fail before the model loads
+    # one scratch folder per invocation (a checkpoint's HF export, launcher logs), removed at the end: repeated
+    # evaluations of checkpoints must not fill the disk with ~0.5 GB exports nobody asked to keep (--export-dir)
+    scratch = tempfile.TemporaryDirectory(prefix="mcore_rl_eval_")
     try:
-        model = resolve_model(a.model, a.hf_config, a.checkpoint, a.export_dir)
+        model = resolve_model(a.model, a.hf_config, a.checkpoint, a.export_dir or scratch.name)
         print(f"model: {model.hf_dir} ({model.kind}, from {model.origin})", file=sys.stderr)
         tok_dir = model.hf_dir if any(model.hf_dir.glob("tokenizer*")) else model.tokenizer_dir
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        engine_name, engine_kwargs = rollout_engine(a.rollout, a.engine, _engine_kwargs(a.engine_arg))
+        engine_name, engine_kwargs = rollout_engine(a.rollout, a.engine, _engine_kwargs(a.engine_arg), scratch.name)
         try:
             engine = build_engine(engine_name, model_path=str(model.hf_dir), seed=a.seed, **engine_kwargs)
         except (KeyError, TypeError) as e:  # unknown engine name / constructor argument
@@ -147,6 +150,7 @@ def run(a: argparse.Namespace) -> int:
     finally:
         for _, es in sets:
             es.scorer.close()
+        scratch.cleanup()
     print(format_table([(r.spec, r.summary) for r in results], ks, n))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
