@@ -1,4 +1,7 @@
-"""`optim.*`: AdamW and the learning-rate schedule (its decay length is trainer.steps, not a key of its own)."""
+"""`optim.*`: AdamW and the learning-rate schedule (its decay length is trainer.steps, not a key of its own).
+
+The one definition of these settings: the Hydra schema of the `optim` group is also what the policy's
+optimizer builder takes (PolicyConfig.optim, policy/build.py), so a key cannot drift between the two."""
 
 from __future__ import annotations
 

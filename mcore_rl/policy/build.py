@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from mcore_rl.config.optim import OptimSettings
 from mcore_rl.models.base import ModelArgs
 from mcore_rl.models.moe_spec import moe_config_kwargs, moe_layer_spec, validate_moe_parallel
 from mcore_rl.models.spec import (
@@ -16,23 +15,6 @@ from mcore_rl.models.spec import (
     transformer_config_kwargs,
     validate_parallel,
 )
-
-
-@dataclass
-class OptimConfig:
-    """AdamW + LR schedule. Defaults are conservative RL fine-tuning values (ScaleRL: eps 1e-15, wd 0.01)."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    decay_style: str = "constant"  # constant | linear | cosine
-    decay_steps: int = 1000
-    use_distributed_optimizer: bool = False
 
 
 def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
@@ -103,7 +85,10 @@ def build_gpt_model(
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
-def build_optimizer(model, build: BuildConfig, optim: OptimConfig):
+def build_optimizer(model, build: BuildConfig, optim: OptimSettings, decay_steps: int):
+    """Megatron's AdamW over `model` plus its LR/WD scheduler. `optim` is the `optim.*` Hydra group's dataclass
+    itself (one definition of the keys); `decay_steps` is the schedule's length, which the trainer takes from
+    trainer.steps rather than from a key of its own."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -129,7 +114,7 @@ def build_optimizer(model, build: BuildConfig, optim: OptimConfig):
         max_lr=optim.lr,
         min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps,
-        lr_decay_steps=max(optim.decay_steps, optim.warmup_steps + 1),
+        lr_decay_steps=max(decay_steps, optim.warmup_steps + 1),
         lr_decay_style=optim.decay_style,
         start_wd=optim.weight_decay,
         end_wd=optim.weight_decay,

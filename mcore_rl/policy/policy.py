@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.config.optim import OptimSettings
 from mcore_rl.models.base import ModelArgs, family_for, read_hf_config
 from mcore_rl.models.hf_io import HFReader
 from mcore_rl.models.spec import BuildConfig
-from mcore_rl.policy.build import OptimConfig, build_gpt_model, build_optimizer, unwrap
+from mcore_rl.policy.build import build_gpt_model, build_optimizer, unwrap
 from mcore_rl.policy.hf_weights import iter_hf_tensors, load_hf_into_model
 from mcore_rl.policy.precision import resolve_dtype
 from mcore_rl.policy.step import LossFn, PolicyBatch, run_forward_backward, split_micro_batches
@@ -19,7 +20,8 @@ from mcore_rl.policy.step import LossFn, PolicyBatch, run_forward_backward, spli
 @dataclass
 class PolicyConfig:
     build: BuildConfig = field(default_factory=BuildConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimSettings = field(default_factory=OptimSettings)  # the `optim.*` group's schema dataclass
+    decay_steps: int = 1000  # LR schedule length; the trainer passes trainer.steps
     token_budget: int = 4096  # tokens per micro-batch (rows * padded length)
 
 
@@ -40,7 +42,7 @@ class Policy:
 
             self.router_load = RouterLoad(self.model, self.args.moe.num_experts)
         if trainable:
-            self.optimizer, self.scheduler = build_optimizer(self.model, cfg.build, cfg.optim)
+            self.optimizer, self.scheduler = build_optimizer(self.model, cfg.build, cfg.optim, cfg.decay_steps)
 
     # ---- weights --------------------------------------------------------------------------------------------
     @property

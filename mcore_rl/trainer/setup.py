@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -19,7 +18,6 @@ from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
 from mcore_rl.models.moe_spec import validate_moe_parallel
 from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_parallel
-from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import PolicyConfig
 
 __all__ = ["ConfigError", "algorithm_spec", "validate_config"]  # ConfigError's home is mcore_rl.config (re-exported here)
@@ -41,9 +39,8 @@ def build_config(cfg: DictConfig) -> BuildConfig:
 
 
 def policy_config(cfg: DictConfig) -> PolicyConfig:
-    settings = typed_group(cfg, "optim", OptimSettings)
-    optim = OptimConfig(**dataclasses.asdict(settings), decay_steps=max(1, cfg.trainer.steps))
-    return PolicyConfig(build=build_config(cfg), optim=optim, token_budget=cfg.trainer.token_budget)
+    return PolicyConfig(build=build_config(cfg), optim=typed_group(cfg, "optim", OptimSettings),
+                        decay_steps=max(1, cfg.trainer.steps), token_budget=cfg.trainer.token_budget)
 
 
 def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:

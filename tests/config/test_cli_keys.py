@@ -111,9 +111,10 @@ def test_model_optim_parallel_keys_reach_the_builders():
                    "optim.use_distributed_optimizer=true", "trainer.steps=7"])
     b = build_config(cfg)
     assert (b.moe_aux_loss_coeff, b.lm_head_fp32, b.pp, b.ep) == (0.01, True, 1, 1)
-    o = policy_config(cfg).optim
+    p = policy_config(cfg)
+    o = p.optim
     assert (o.lr, o.min_lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad, o.warmup_steps,
-            o.decay_style, o.use_distributed_optimizer, o.decay_steps) == (3e-4, 1e-5, 0.8, 0.95, 1e-6, 0.1, 0.5,
+            o.decay_style, o.use_distributed_optimizer, p.decay_steps) == (3e-4, 1e-5, 0.8, 0.95, 1e-6, 0.1, 0.5,
                                                                           2, "cosine", True, 7)
     assert cfg.model.tiny.seed == 3
 

@@ -45,9 +45,9 @@ def collectives() -> dict:
 
 
 def parity(model_dir: str) -> dict:
+    from mcore_rl.config.optim import OptimSettings
     from mcore_rl.distributed import init_distributed
     from mcore_rl.models.spec import BuildConfig
-    from mcore_rl.policy.build import OptimConfig
     from mcore_rl.policy.policy import Policy, PolicyConfig
     from mcore_rl.policy.step import PolicyBatch
 
@@ -59,7 +59,7 @@ def parity(model_dir: str) -> dict:
     pols = {}
     for dtype in ("fp32", "bf16"):
         build = BuildConfig(dtype=dtype, transformer_impl="local")
-        pol = Policy(model_dir, PolicyConfig(build=build, optim=OptimConfig(lr=1e-3), token_budget=256))
+        pol = Policy(model_dir, PolicyConfig(build=build, optim=OptimSettings(lr=1e-3, weight_decay=0.01, adam_beta2=0.999), token_budget=256))
         pol.load_hf(model_dir)
         logp[dtype] = pol.logprobs(batch, temperature=1.0)[:, 1:].float().cpu()
         pols[dtype] = pol

@@ -12,9 +12,9 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.optim import OptimSettings
 from mcore_rl.distributed import init_distributed
 from mcore_rl.models.spec import BuildConfig
-from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import Policy, PolicyConfig
 from tests.multiproc.parallel_worker import step_from_shared_checkpoint
 
@@ -40,7 +40,7 @@ def main() -> None:
     a = ap.parse_args()
     init_distributed(a.tp, a.pp, ep=a.ep)
     cfg = PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep, moe_aux_loss_coeff=a.aux_loss),
-                       optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0), token_budget=48)
+                       optim=OptimSettings(lr=1e-3, weight_decay=0.0, adam_beta2=0.999, clip_grad=0.0), token_budget=48)
     policy = Policy(a.hf, cfg)
     res = step_from_shared_checkpoint(policy, a.hf, a.ckpt, a.save_init)
     batch, mask, before, after, stats = res.batch, res.mask, res.before, res.after, res.stats

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.checkpoint_io import load_dist_checkpoint, save_dist_checkpoint
+from mcore_rl.config.optim import OptimSettings
 from mcore_rl.distributed import init_distributed
 from mcore_rl.models.spec import BuildConfig
-from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import Policy, PolicyConfig
 from mcore_rl.policy.step import PolicyBatch
 
@@ -83,8 +83,8 @@ def main() -> None:
     a = ap.parse_args()
     layout = init_distributed(a.tp, a.pp)
     cfg = PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp),
-                       optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0,
-                                         use_distributed_optimizer=a.distributed_optimizer),
+                       optim=OptimSettings(lr=1e-3, weight_decay=0.0, adam_beta2=0.999, clip_grad=0.0,
+                                           use_distributed_optimizer=a.distributed_optimizer),
                        token_budget=48)
     policy = Policy(a.hf, cfg)
     res = step_from_shared_checkpoint(policy, a.hf, a.ckpt, a.save_init)

@@ -8,9 +8,9 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from mcore_rl.config.optim import OptimSettings
 from mcore_rl.distributed import init_distributed
 from mcore_rl.models.spec import BuildConfig
-from mcore_rl.policy.build import OptimConfig
 from mcore_rl.policy.policy import Policy, PolicyConfig
 from mcore_rl.policy.step import PolicyBatch
 from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
@@ -27,7 +27,8 @@ def main() -> None:
     a = ap.parse_args()
     init_distributed(a.tp, a.pp)
     policy = Policy(a.hf, PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp),
-                                       optim=OptimConfig(lr=1e-2, clip_grad=0.0)))
+                                       optim=OptimSettings(lr=1e-2, weight_decay=0.01, adam_beta2=0.999,
+                                                           clip_grad=0.0)))
     policy.load_hf(a.hf)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, policy.args.vocab_size, (3, 20), generator=g)
