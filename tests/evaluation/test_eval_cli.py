@@ -4,43 +4,18 @@ and scorers, and (slow) on SmolLM2 itself."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mcore_rl.evaluation.passk import summarize_correct
-from tests.conftest import REPO
-from tests.evaluation.conftest import _env
+from tests.evaluation.conftest import read_jsonl, run_module
 
 pytestmark = pytest.mark.evaluation
 
 
-
-
-def _eval(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mcore_rl.evaluation.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(), cwd=REPO)
-
-
-@pytest.fixture
-def eval_inproc(capsys):
-    """The CLI's main() in this process (a subprocess costs ~10 s of imports); returns (rc, stdout, stderr)."""
-
-    def call(*args: str) -> subprocess.CompletedProcess:
-        from mcore_rl.evaluation.cli import main
-
-        rc = main(list(args))
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, rc, out.out, out.err)
-
-    return call
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+def _eval(*args: str, timeout: int = 300):
+    return run_module("mcore_rl.evaluation.cli", *args, timeout=timeout)
 
 
 def test_eval_run_dir_hf_export_and_checkpoint_agree(tiny_run, tmp_path, eval_inproc):
@@ -55,9 +30,9 @@ def test_eval_run_dir_hf_export_and_checkpoint_agree(tiny_run, tmp_path, eval_in
     assert header.split() == ["set", "prompts", "mean@4", "pass@1", "pass@2", "pass@3", "pass@4", "len", "trunc"]
     assert any(ln.startswith("arithmetic ") for ln in lines) and any(ln.startswith("reasoning_gym/spell_backward")
                                                                       for ln in lines)
-    rows = _jsonl(out)
+    rows = read_jsonl(out)
     assert [r["set"] for r in rows] == ["arithmetic", "reasoning_gym/spell_backward"]
-    per = _jsonl(samples)
+    per = read_jsonl(samples)
     assert len(per) == 6 and all(len(p["responses"]) == 4 and len(p["correct"]) == 4 for p in per)
     for r in rows:
         assert r["n"] == 4 and r["num_prompts"] == 3 and 1 <= r["response_len"] <= 6 and r["model_kind"] == "run_hf"
@@ -71,7 +46,7 @@ def test_eval_run_dir_hf_export_and_checkpoint_agree(tiny_run, tmp_path, eval_in
                  "--samples-out", str(samples2), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "run_checkpoint" in proc.stderr and (tmp_path / "exp" / "hf_step_000002" / "config.json").is_file()
-    assert [p["responses"] for p in _jsonl(samples2)] == [p["responses"] for p in per]
+    assert [p["responses"] for p in read_jsonl(samples2)] == [p["responses"] for p in per]
 
 
 def test_eval_bad_inputs_are_one_line_errors(tiny_run, tmp_path, eval_inproc):
@@ -131,5 +106,5 @@ def test_smollm2_arithmetic_pass_at_k(smollm2_dir, tmp_path):
     proc = _eval(str(smollm2_dir), "--num-prompts", "16", "-n", "4", "--max-new-tokens", "32", "--out", str(out),
                  "--no-progress", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = _jsonl(out)[0]
+    r = read_jsonl(out)[0]
     assert 0.05 < r["mean_at_n"] < 0.8 and r["pass_at_4"] >= r["pass_at_1"] and r["pass_at_4"] > r["mean_at_n"]

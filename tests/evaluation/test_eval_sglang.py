@@ -8,12 +8,12 @@ none would be)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
+from tests.evaluation.conftest import read_jsonl
 from tests.rollout.test_router import trainer_tiny_dir
 
 pytestmark = [pytest.mark.evaluation, pytest.mark.rollout]
@@ -30,40 +30,34 @@ def served(tmp_path_factory):
 
 
 def _responses(path: Path) -> list[list[str]]:
-    return [json.loads(x)["responses"] for x in path.read_text().splitlines() if x.strip()]
+    return [r["responses"] for r in read_jsonl(path)]
 
 
-def test_eval_through_router_and_server_equals_embedded_engine(served, tmp_path, capsys):
-    from mcore_rl.evaluation.cli import main
-
+def test_eval_through_router_and_server_equals_embedded_engine(served, tmp_path, eval_inproc):
     model, launcher = served
     assert launcher.router_url.startswith("http://127.0.0.1:")
     common = [str(model), "--set", "arithmetic", "--num-prompts", "3", "-n", "4", "--max-new-tokens", "6",
               "--temperature", "1.0", "--no-progress"]
     urls = "[" + ",".join(f'"{u}"' for u in launcher.worker_urls) + "]"
-    rc = main([*common, "--rollout", "sglang", "--engine-arg", f"worker_urls={urls}",
-               "--engine-arg", f"router_url={launcher.router_url}", "--out", str(tmp_path / "sg.jsonl"),
-               "--samples-out", str(tmp_path / "sg_samples.jsonl")])
-    out = capsys.readouterr()
-    assert rc == 0, out.err[-3000:]
-    assert "mean@4" in out.out and "pass@4" in out.out
-    rc = main([*common, "--engine-arg", "dtype=float32", "--out", str(tmp_path / "local.jsonl"),
-               "--samples-out", str(tmp_path / "local_samples.jsonl")])
-    assert rc == 0, capsys.readouterr().err[-3000:]
+    proc = eval_inproc(*common, "--rollout", "sglang", "--engine-arg", f"worker_urls={urls}",
+                       "--engine-arg", f"router_url={launcher.router_url}", "--out", str(tmp_path / "sg.jsonl"),
+                       "--samples-out", str(tmp_path / "sg_samples.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mean@4" in proc.stdout and "pass@4" in proc.stdout
+    proc = eval_inproc(*common, "--engine-arg", "dtype=float32", "--out", str(tmp_path / "local.jsonl"),
+                       "--samples-out", str(tmp_path / "local_samples.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     sg, local = _responses(tmp_path / "sg_samples.jsonl"), _responses(tmp_path / "local_samples.jsonl")
     assert len(sg) == 3 and all(len(r) == 4 for r in sg)
     same = sum(a == b for ra, rb in zip(sg, local) for a, b in zip(ra, rb))
     assert same >= 9, (same, sg, local)
-    (a,), (b,) = ([json.loads(x) for x in (tmp_path / f).read_text().splitlines()] for f in ("sg.jsonl",
-                                                                                           "local.jsonl"))
+    (a,), (b,) = (read_jsonl(tmp_path / f) for f in ("sg.jsonl", "local.jsonl"))
     assert a["num_prompts"] == b["num_prompts"] == 3
 
 
-def test_eval_rollout_unknown_name_is_one_line_error(tmp_path, capsys):
-    from mcore_rl.evaluation.cli import main
-
-    rc = main([str(trainer_tiny_dir()), "--rollout", "nosuch", "--out", str(tmp_path / "x.jsonl")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) >= 1
+def test_eval_rollout_unknown_name_is_one_line_error(tmp_path, eval_inproc):
+    proc = eval_inproc(str(trainer_tiny_dir()), "--rollout", "nosuch", "--out", str(tmp_path / "x.jsonl"))
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) >= 1
     assert err[-1].startswith("mcore-rl-eval: error: --rollout nosuch: no such rollout config")
     assert "local" in err[-1] and "sglang" in err[-1]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 from mcore_rl.algorithms.scaling_curve import sigmoid_curve
 from mcore_rl.evaluation.scaling import FitError, bootstrap_fit
 from mcore_rl.logging import MetricsLogger
-from tests.conftest import REPO
+from tests.evaluation.conftest import run_module
 
 pytestmark = pytest.mark.evaluation
 
@@ -62,27 +60,13 @@ def _write_run(run_dir, steps, values, seconds_per_step=30.0, flops_per_step=Non
     logger.close()
 
 
-@pytest.fixture
-def _cli(capsys):
-    """The CLI in-process (each subprocess costs seconds of imports); one test runs it as a real subprocess."""
-
-    def call(*args: str) -> subprocess.CompletedProcess:
-        from mcore_rl.evaluation.scaling_cli import main
-
-        rc = main(list(args))
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, rc, out.out, out.err)
-
-    return call
-
-
-def test_cli_fits_run_dirs_extrapolates_and_scores_held_out_points(tmp_path, _cli):
+def test_cli_fits_run_dirs_extrapolates_and_scores_held_out_points(tmp_path, scaling_inproc):
     steps = np.array([0, 5, 10, 20, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960])
     good, other = tmp_path / "grpo", tmp_path / "mu_grpo"
     _write_run(good, steps, np.r_[TRUE["r0"], _noisy(steps[1:].astype(float), 1, 0.01)], flops_per_step=1e15)
     _write_run(other, steps, np.r_[TRUE["r0"], _noisy(steps[1:] * 2.0, 2, 0.01)], flops_per_step=1e15)
     png, js = tmp_path / "fit.png", tmp_path / "fit.json"
-    proc = _cli("fit", str(good), str(other), "--x", "updates", "--fit-until", "300", "--extrapolate", "2000",
+    proc = scaling_inproc("fit", str(good), str(other), "--x", "updates", "--fit-until", "300", "--extrapolate", "2000",
                 "--out", str(png), "--json", str(js))
     assert proc.returncode == 0, proc.stderr
     assert "grpo: 9 points fitted" in proc.stdout and "mu_grpo: 9 points fitted" in proc.stdout
@@ -97,37 +81,36 @@ def test_cli_fits_run_dirs_extrapolates_and_scores_held_out_points(tmp_path, _cl
     assert len(held) == 4 and max(abs(h["predicted"] - h["measured"]) for h in held) < 0.06
     assert png.stat().st_size > 5000
     # the other x axes read the accounting fields: same curve, x scaled by 1e15 FLOPs / 30 s per update
-    proc = _cli("fit", str(good), "--x", "flops", "--out", str(tmp_path / "f.png"), "--json", str(js))
+    proc = scaling_inproc("fit", str(good), "--x", "flops", "--out", str(tmp_path / "f.png"), "--json", str(js))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(js.read_text())[0]["C_mid"]["value"] == pytest.approx(g["C_mid"]["value"] * 1e15, rel=0.2)
-    proc = _cli("fit", str(good), "--x", "hours", "--out", str(tmp_path / "h.png"), "--json", str(js))
+    proc = scaling_inproc("fit", str(good), "--x", "hours", "--out", str(tmp_path / "h.png"), "--json", str(js))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(js.read_text())[0]["C_mid"]["value"] == pytest.approx(g["C_mid"]["value"] / 120, rel=0.2)
 
 
-def test_cli_errors_name_the_run_and_other_runs_still_fit(tmp_path, _cli):
+def test_cli_errors_name_the_run_and_other_runs_still_fit(tmp_path, scaling_inproc):
     good, short, old = tmp_path / "good", tmp_path / "short", tmp_path / "old"
     steps = np.array([0, 10, 20, 40, 80, 160, 320, 640])
     _write_run(good, steps, np.r_[TRUE["r0"], _noisy(steps[1:].astype(float), 3, 0.01)])
     _write_run(short, [0, 10, 20], [0.1, 0.2, 0.3])
     _write_run(old, steps, np.r_[TRUE["r0"], _noisy(steps[1:].astype(float), 4, 0.01)])  # no flops field
     missing = tmp_path / "nope"
-    proc = subprocess.run([sys.executable, "-m", "mcore_rl.evaluation.scaling_cli", "fit", str(good), str(short),
-                           str(missing), "--out", str(tmp_path / "p.png")], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    proc = run_module("mcore_rl.evaluation.scaling_cli", "fit", str(good), str(short), str(missing), "--out",
+                      str(tmp_path / "p.png"), timeout=120)  # once as a real subprocess
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert len(err) == 2, proc.stderr
     assert "short: 2 eval point(s) to fit, need >= 4" in err[0]
     assert f"{missing}: no such run directory or eval.jsonl file" in err[1]
     assert "good: 7 points fitted" in proc.stdout and (tmp_path / "p.png").is_file()
-    proc = _cli("fit", str(old), "--x", "flops", "--metric", "mean_at_k", "--out", str(tmp_path / "q.png"))
+    proc = scaling_inproc("fit", str(old), "--x", "flops", "--metric", "mean_at_k", "--out", str(tmp_path / "q.png"))
     assert proc.returncode == 2 and "no 'flops' field" in proc.stderr and "line 1" in proc.stderr
-    proc = _cli("fit", str(good), "--metric", "accuracy", "--out", str(tmp_path / "q.png"))
+    proc = scaling_inproc("fit", str(good), "--metric", "accuracy", "--out", str(tmp_path / "q.png"))
     assert proc.returncode == 2 and "no metric 'accuracy'; available:" in proc.stderr
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "eval.jsonl").write_text('{"step": 0, "mean_at_k": 0.1}\n{oops\n')
-    proc = _cli("fit", str(tmp_path / "bad"), "--out", str(tmp_path / "q.png"))
+    proc = scaling_inproc("fit", str(tmp_path / "bad"), "--out", str(tmp_path / "q.png"))
     assert proc.returncode == 2 and "eval.jsonl line 2: not JSON" in proc.stderr
 
 

@@ -3,33 +3,27 @@ numbers a run logs for each set equal what `mcore-rl-eval` measures on the same 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import REPO
-from tests.evaluation.conftest import _env
+from tests.evaluation.conftest import read_jsonl, run_module
 
 pytestmark = pytest.mark.evaluation
 
 SETS = ["arithmetic", "reasoning_gym/spell_backward:size=2"]  # the second set has only 2 prompts
 
 
-def _train(run_dir, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mcore_rl.train", "model=tiny", "model.dtype=fp32", "eval.num_prompts=3",
-           "eval.samples_per_prompt=4", "eval.max_new_tokens=6", "eval.temperature=1.0", "trainer.steps=0",
-           "logging.progress=false", "logging.plot=false", "logging.tensorboard=false", f"run.dir={run_dir}",
-           *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+def _train(run_dir, *overrides: str, timeout: int = 300):
+    return run_module("mcore_rl.train", "model=tiny", "model.dtype=fp32", "eval.num_prompts=3",
+                      "eval.samples_per_prompt=4", "eval.max_new_tokens=6", "eval.temperature=1.0", "trainer.steps=0",
+                      "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
+                      f"run.dir={run_dir}", *overrides, timeout=timeout)
 
 
 def test_eval_sets_logged_per_set_and_equal_to_mcore_rl_eval(tmp_path):
     run_dir = tmp_path / "run"
     proc = _train(run_dir, "eval.sets=[" + ",".join(f"'{s}'" for s in SETS) + "]")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    (rec,) = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    (rec,) = read_jsonl(run_dir / "eval.jsonl")
     names = ["arithmetic", "reasoning_gym_spell_backward"]
     for name, num in zip(names, (3, 2)):  # each set loaded from its own spec (options included)
         assert rec[f"{name}/num_prompts"] == num and rec[f"{name}/k"] == 4
@@ -39,12 +33,11 @@ def test_eval_sets_logged_per_set_and_equal_to_mcore_rl_eval(tmp_path):
 
     # the same weights (the run's hf/ export of the untrained model) through mcore-rl-eval: identical numbers
     out = tmp_path / "eval.jsonl"
-    cmd = [sys.executable, "-m", "mcore_rl.evaluation.cli", str(run_dir), *sum((["--set", s] for s in SETS), []),
-           "--num-prompts", "3", "-n", "4", "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "777",
-           "--engine-arg", "dtype=float32", "--no-progress", "--out", str(out)]
-    ev = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+    ev = run_module("mcore_rl.evaluation.cli", str(run_dir), *sum((["--set", s] for s in SETS), []),
+                    "--num-prompts", "3", "-n", "4", "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "777",
+                    "--engine-arg", "dtype=float32", "--no-progress", "--out", str(out))
     assert ev.returncode == 0, ev.stderr[-3000:]
-    rows = {r["set"]: r for r in (json.loads(x) for x in out.read_text().splitlines())}
+    rows = {r["set"]: r for r in read_jsonl(out)}
     for spec, name in zip(SETS, names):
         assert rows[spec]["num_prompts"] == rec[f"{name}/num_prompts"]
         assert rows[spec]["response_len"] == pytest.approx(rec[f"{name}/response_len"])

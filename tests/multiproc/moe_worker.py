@@ -7,16 +7,12 @@ Usage: moe_worker.py --hf DIR --ckpt DIR --tp N --pp M --ep E --out FILE [--save
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config.optim import OptimSettings
 from mcore_rl.distributed import init_distributed
 from mcore_rl.models.spec import BuildConfig
-from mcore_rl.policy.policy import Policy, PolicyConfig
-from tests.multiproc.parallel_worker import step_from_shared_checkpoint
+from tests.multiproc.launch import layout_policy, shutdown, step_from_shared_checkpoint, worker_parser
 
 
 def engine_logprobs(engine, tokens: torch.Tensor) -> torch.Tensor:
@@ -28,20 +24,12 @@ def engine_logprobs(engine, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
+    ap = worker_parser(__doc__)
     ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--save-init", action="store_true")
     ap.add_argument("--aux-loss", type=float, default=0.0, help="MoE load-balancing loss weight")
     a = ap.parse_args()
     init_distributed(a.tp, a.pp, ep=a.ep)
-    cfg = PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep, moe_aux_loss_coeff=a.aux_loss),
-                       optim=OptimSettings(lr=1e-3, weight_decay=0.0, adam_beta2=0.999, clip_grad=0.0), token_budget=48)
-    policy = Policy(a.hf, cfg)
+    policy = layout_policy(a.hf, BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep, moe_aux_loss_coeff=a.aux_loss))
     res = step_from_shared_checkpoint(policy, a.hf, a.ckpt, a.save_init)
     batch, mask, before, after, stats = res.batch, res.mask, res.before, res.after, res.stats
     # weight sync through the trainer's path (EP shards gathered, TP/PP too) into the real embedded engine
@@ -62,8 +50,7 @@ def main() -> None:
         torch.save(report, a.out)
     if engine is not None:
         engine.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":
