@@ -1,5 +1,6 @@
 """Schedules through the CLI on a tiny model whose rewards vary (tests/e2e/sevens.py): async (PipelineRL-2) exact
-resume after SIGKILL, DAPO dynamic sampling, P3O with ess_scope=batch (single process and DP=2)."""
+resume after SIGKILL, async stale_policy=requeue, DAPO dynamic sampling, P3O with ess_scope=batch (single process
+and DP=2)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,37 @@ def test_async_k2_sigkill_after_checkpoint_resumes_exactly(sevens, tmp_path, sou
     ref_ids = [i for u in range(1, 7) for i in ref_p[u]["prompt_ids"]]
     res_ids = [i for u in range(1, 7) for i in res_p[u]["prompt_ids"]]
     assert res_ids == ref_ids and len(set(ref_ids)) == len(ref_ids) == 12
+
+
+def test_async_requeue_trains_the_stale_prompts_later(tmp_path):
+    """`stale_policy=requeue` end to end. In one run a consumed round lags exactly k versions, never more (the
+    schedule keeps k rounds ahead and bumps the version once per round), so staleness is made the way an operator
+    would meet it: a run with k=2 checkpoints at update 2 with rounds 2 and 3 generated at versions 0 and 1, and is
+    resumed with `algorithm.max_staleness=1`. At version 2, round 2 lags 2 > 1: its 2 prompts are requeued into the
+    next submitted round (4), which lags 1 when consumed and trains at update 4. Data in file order
+    (`data.sampler.shuffle=false`): arith-s0-<i> is the i-th prompt. ~35-50 s (two short runs)."""
+    run_dir = tmp_path / "run"
+    args = ["model=tiny", "model.load_check.enabled=false", "schedule=async", "algorithm.stale_policy=requeue",
+            "trainer.deterministic=true", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
+            "trainer.max_new_tokens=4", "trainer.save_every=2", "trainer.export_hf=false", "data.sampler.shuffle=false",
+            "eval.num_prompts=0", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
+            f"run.dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
+    proc = _train([*args, "algorithm.max_staleness=2", "trainer.steps=2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _train([*args, "algorithm.max_staleness=1", "trainer.steps=4"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed 2 round(s) in flight: 4 request(s) restored finished" in proc.stderr
+    assert "round 2: every group was stale" in proc.stderr
+    recs = _last_per_step(run_dir / "metrics.jsonl")
+    assert sorted(recs) == [1, 2, 3, 4]
+    assert [recs[s]["stale_requeued_total"] for s in (1, 2, 3, 4)] == [0.0, 0.0, 2.0, 2.0]  # round 2's 2 groups
+    assert all(recs[s]["stale_dropped_total"] == 0.0 for s in recs)
+    assert [recs[s]["staleness_max"] for s in (3, 4)] == [1.0, 1.0]  # what trains after the resume is within k=1
+    prompts = _last_per_step(run_dir / "prompts.jsonl", "update")
+    ids = {u: prompts[u]["prompt_ids"] for u in (1, 2, 3, 4)}
+    assert ids[3] == ["arith-s0-6", "arith-s0-7"]  # round 3 (version 1) was fresh enough
+    assert ids[4] == ["arith-s0-4", "arith-s0-5"]  # the requeued prompts of round 2, trained one round later
+    assert sorted(i for u in ids.values() for i in u) == sorted(f"arith-s0-{i}" for i in range(8))  # none lost
 
 
 def test_dapo_dynamic_sampling_three_updates(sevens, tmp_path):
