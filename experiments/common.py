@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,6 +143,30 @@ def first_reaching(records: list[dict], target: float, metric: str = "mean_at_k"
 
 def fmt(x, spec: str = ".3f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
+
+
+@contextmanager
+def figure_panels(out: Path, **subplots_kw) -> Iterator:
+    """matplotlib axes (headless Agg backend) of a 1x2 figure; the figure is laid out, saved to `out` and closed
+    when the block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80, **subplots_kw)
+    try:
+        yield axes
+        fig.tight_layout()
+        fig.savefig(out)
+    finally:
+        plt.close(fig)
+
+
+def write_results(exp_dir: Path, lines: list[str]) -> None:
+    """The report: experiments/<name>/results.md, echoed to stdout."""
+    (exp_dir / "results.md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 def git_rev() -> str:

@@ -14,7 +14,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import Arm, arm_meta, arms_main, collect, evals, first_reaching, fmt, git_rev  # noqa: E402
+from common import (  # noqa: E402
+    Arm,
+    arm_meta,
+    arms_main,
+    collect,
+    evals,
+    figure_panels,
+    first_reaching,
+    fmt,
+    git_rev,
+    write_results,
+)
 
 EXP = "mu_grpo_vs_grpo"
 STEPS = 24
@@ -59,25 +70,17 @@ def crossing(recs: list[dict], target: float, key: str) -> float | None:
 
 
 def plot(per_arm: dict[str, list[dict]], labels: dict[str, str], target: float | None, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80, sharey=True)
-    for name, recs in per_arm.items():
-        for ax, key in zip(axes, ("wallclock_s", "cpu_s")):
-            ax.plot([r[key] / 60 for r in recs], [r["mean_at_k"] for r in recs], marker="o", label=labels[name])
-    for ax, xl in zip(axes, ("wall-clock (min, eval excluded)", "process CPU-minutes (eval excluded)")):
-        if target is not None:
-            ax.axhline(target, color="gray", ls="--", lw=1)
-        ax.set_xlabel(xl)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("held-out mean@4")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    with figure_panels(out, sharey=True) as axes:
+        for name, recs in per_arm.items():
+            for ax, key in zip(axes, ("wallclock_s", "cpu_s")):
+                ax.plot([r[key] / 60 for r in recs], [r["mean_at_k"] for r in recs], marker="o", label=labels[name])
+        for ax, xl in zip(axes, ("wall-clock (min, eval excluded)", "process CPU-minutes (eval excluded)")):
+            if target is not None:
+                ax.axhline(target, color="gray", ls="--", lw=1)
+            ax.set_xlabel(xl)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("held-out mean@4")
+        axes[0].legend(fontsize=7)
 
 
 def report() -> None:
@@ -146,8 +149,7 @@ def report() -> None:
             lines.append(f"| {labels[name]} | {r['step']} | {r['mean_at_k']:.3f} | {r['pass_at_k']:.3f} | "
                          f"{r['wallclock_s']:.0f} | {r['cpu_s']:.0f} | {r.get('loadavg_1m', float('nan')):.1f} |")
     lines += ["", "![accuracy vs time](accuracy_vs_time.png)", ""]
-    (HERE / "results.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results(HERE, lines)
 
 
 def main() -> None:

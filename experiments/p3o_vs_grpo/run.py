@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import Arm, arm_meta, arms_main, collect, git_rev, read_jsonl  # noqa: E402
+from common import Arm, arm_meta, arms_main, collect, figure_panels, git_rev, read_jsonl, write_results  # noqa: E402
 
 EXP = "p3o_vs_grpo"
 STEPS = 16
@@ -55,32 +55,24 @@ def f3(x: float | None) -> str:
 
 
 def plot(out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80)
-    for (alg, mu), stem in GRID.items():
-        ev = records(stem, "eval")
-        if ev:
-            axes[0].plot([r["step"] for r in ev], [r["mean_at_k"] for r in ev], marker="o",
-                         ls="-" if alg == "P3O" else "--", color=f"C{[1, 4, 8].index(mu)}", label=f"{alg} mu={mu}")
-        tr = [r for r in records(stem, "train") if "ess_factor" in r]
-        if tr:
-            axes[1].plot([r["step"] for r in tr], [r["ess_factor"] for r in tr], marker=".",
-                         color=f"C{[1, 4, 8].index(mu)}", label=f"P3O mu={mu}")
-    axes[0].set_xlabel("optimizer update")
-    axes[0].set_ylabel("held-out mean@4")
-    axes[1].set_xlabel("optimizer update")
-    axes[1].set_ylabel("P3O ESS (per update)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    with figure_panels(out) as axes:
+        for (alg, mu), stem in GRID.items():
+            ev = records(stem, "eval")
+            if ev:
+                axes[0].plot([r["step"] for r in ev], [r["mean_at_k"] for r in ev], marker="o",
+                             ls="-" if alg == "P3O" else "--", color=f"C{[1, 4, 8].index(mu)}", label=f"{alg} mu={mu}")
+            tr = [r for r in records(stem, "train") if "ess_factor" in r]
+            if tr:
+                axes[1].plot([r["step"] for r in tr], [r["ess_factor"] for r in tr], marker=".",
+                             color=f"C{[1, 4, 8].index(mu)}", label=f"P3O mu={mu}")
+        axes[0].set_xlabel("optimizer update")
+        axes[0].set_ylabel("held-out mean@4")
+        axes[1].set_xlabel("optimizer update")
+        axes[1].set_ylabel("P3O ESS (per update)")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
 
 
 def report() -> None:
@@ -134,8 +126,7 @@ def report() -> None:
     lines += ["", "Arms run here: " + "; ".join(
         f"{n}: {s[-1]['wall_s']:.0f} s wall, load {s[-1]['load_mean']:.1f}" for n, s in segs.items() if s), "",
               "![accuracy and ESS](accuracy_and_ess.png)", ""]
-    (HERE / "results.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results(HERE, lines)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import EXP_ROOT, Arm, arm_meta, collect, evals, git_rev, run_arm  # noqa: E402
+from common import EXP_ROOT, Arm, arm_meta, collect, evals, git_rev, run_arm, write_results  # noqa: E402
 
 EXP = "scaling_prediction"
 SOURCE = EXP_ROOT / "mu_grpo_vs_grpo" / "grpo_onpolicy"  # experiment 1's arm: the first 24 updates
@@ -103,8 +103,7 @@ def report() -> None:
         f"load {s['load_mean']:.1f}" for s in segs), "",
               "The CLI's own output for each fit is in `data/fit_first_half.txt` and `data/fit_whole_run.txt`.", "",
               "![first-half fit](fit_first_half.png)", "", "![whole-run fit](fit_whole_run.png)", ""]
-    (HERE / "results.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_results(HERE, lines)
 
 
 def main() -> None:

@@ -75,6 +75,25 @@ def test_ewma_swap_state_dict_and_dtype():
         EwmaWeights([torch.zeros(3, 4), torch.zeros(6)], 0.5).load_state_dict(ew.state_dict())
 
 
+def test_params_restored_and_swapped_undo_in_place_writes_even_on_error():
+    from mcore_rl.utils import params_restored, params_swapped
+
+    params = [torch.arange(6.0).view(2, 3), torch.ones(4)]
+    live = [p.clone() for p in params]
+    with pytest.raises(RuntimeError, match="mid-block"):
+        with params_restored(params):
+            params[0].mul_(-3.0)
+            params[1].zero_()
+            raise RuntimeError("mid-block")
+    assert all(torch.equal(p, q) for p, q in zip(params, live))
+    other = [torch.full((2, 3), 7.0), torch.full((4,), 2.0)]
+    with pytest.raises(RuntimeError, match="mid-block"):
+        with params_swapped(params, other):
+            assert all(torch.equal(p, q) for p, q in zip(params, other))
+            raise RuntimeError("mid-block")
+    assert all(torch.equal(p, q) for p, q in zip(params, live))
+
+
 def test_pass_rate_history_retires_and_round_trips():
     h = PassRateHistory(threshold=0.9)
     newly = h.update(["a"] * 10 + ["b"] * 10, [1.0] * 10 + [1.0] * 8 + [0.0] * 2)

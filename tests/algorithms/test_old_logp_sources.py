@@ -13,6 +13,7 @@ from mcore_rl.oldlogp.interrupt import check_single_version
 from mcore_rl.oldlogp.store import MissingVersionError, VersionStore, score_by_version
 from mcore_rl.rollout.protocol import Sample
 from mcore_rl.trainer.rollout_batch import build_rollout_batch
+from mcore_rl.utils import params_restored
 
 pytestmark = pytest.mark.algorithms
 T = 0.7
@@ -61,11 +62,10 @@ def test_registry_matches_config_choices():
 def test_per_token_version_scoring_is_exact_on_spanning_rows(policy):
     """Three versions; rows span 2-3 of them. Each token must equal the full forward under its own version."""
     params = list(policy.model.parameters())
-    original = [p.detach().clone() for p in params]
     store = VersionStore()
     full = {}
     rb = _rb(_samples([[0] * 6 + [1] * 5 + [2] * 4, [1] * 10, [0] * 3 + [2] * 9, [2] * 7]))
-    try:
+    with params_restored(params):  # the module's policy is shared: leave its weights as found
         for v in range(3):
             if v:
                 _perturb(policy, v)
@@ -85,10 +85,6 @@ def test_per_token_version_scoring_is_exact_on_spanning_rows(policy):
         assert store.versions == [2]
         with pytest.raises(MissingVersionError, match="version 0 is not stored"):
             score_by_version(policy, store, rb, current_version=2, temperature=T)
-    finally:
-        with torch.no_grad():
-            for p, o in zip(params, original):
-                p.copy_(o)
 
 
 def test_snapshot_source_frees_what_no_round_can_reference(policy):
@@ -106,14 +102,13 @@ def test_old_logit_model_scores_finished_samples_at_their_version(policy, tiny_l
     """Finished version-0 samples are scored at the hook for version 1 (model still holding 0); after that the
     model holds 1 and unscored version-1 samples are scored when consumed. Both equal a forward at the version."""
     params = list(policy.model.parameters())
-    original = [p.detach().clone() for p in params]
     src = build_source("old_logit_model", SourceContext(
         policy=policy, temperature=T, staleness=2,
         make_policy=lambda: type(policy)(tiny_llama_dir, policy.cfg, trainable=False)))
     early, late = _samples([[0] * 5, [0] * 8]), _samples([[1] * 6, [1] * 3, [1] * 4])[1:]
     for s in late:
         s.rid = "late-" + s.rid
-    try:
+    with params_restored(params):  # the module's policy is shared: leave its weights as found
         src.on_version(0)
         v0 = policy.logprobs(_rb(early).policy_batch(), T)
         _perturb(policy, 7)  # the optimizer moved the trainer to version 1
@@ -128,10 +123,6 @@ def test_old_logit_model_scores_finished_samples_at_their_version(policy, tiny_l
         assert (got - want)[m].abs().max().item() <= 1e-6
         assert (got - v1)[:2][m[:2]].abs().max().item() > 1e-3
         assert src.metrics()["old_logp_cached"] == 0.0
-    finally:
-        with torch.no_grad():
-            for p, o in zip(params, original):
-                p.copy_(o)
 
 
 def test_single_version_check_names_spanning_rows():
