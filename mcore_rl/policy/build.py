@@ -85,7 +85,7 @@ def build_gpt_model(
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
-def build_optimizer(model, build: BuildConfig, optim: OptimSettings, decay_steps: int):
+def build_optimizer(model, build: BuildConfig, optim: OptimSettings, decay_steps: int, seed: int = 0):
     """Megatron's AdamW over `model` plus its LR/WD scheduler. `optim` is the `optim.*` Hydra group's dataclass
     itself (one definition of the keys); `decay_steps` is the schedule's length, which the trainer takes from
     trainer.steps rather than from a key of its own."""
@@ -121,6 +121,10 @@ def build_optimizer(model, build: BuildConfig, optim: OptimSettings, decay_steps
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
+    if optim.bf16_stochastic_rounding:
+        from mcore_rl.policy.stochastic_round import enable_bf16_stochastic_rounding
+
+        enable_bf16_stochastic_rounding(optimizer, seed, lambda: scheduler.num_steps)
     return optimizer, scheduler
 
 

@@ -23,6 +23,7 @@ class PolicyConfig:
     optim: OptimSettings = field(default_factory=OptimSettings)  # the `optim.*` group's schema dataclass
     decay_steps: int = 1000  # LR schedule length; the trainer passes trainer.steps
     token_budget: int = 4096  # tokens per micro-batch (rows * padded length)
+    seed: int = 0  # bf16 stochastic rounding's noise stream (with the optimizer step)
 
 
 class Policy:
@@ -42,7 +43,8 @@ class Policy:
 
             self.router_load = RouterLoad(self.model, self.args.moe.num_experts)
         if trainable:
-            self.optimizer, self.scheduler = build_optimizer(self.model, cfg.build, cfg.optim, cfg.decay_steps)
+            self.optimizer, self.scheduler = build_optimizer(self.model, cfg.build, cfg.optim, cfg.decay_steps,
+                                                               seed=cfg.seed)
 
     # ---- weights --------------------------------------------------------------------------------------------
     @property

@@ -40,7 +40,8 @@ def build_config(cfg: DictConfig) -> BuildConfig:
 
 def policy_config(cfg: DictConfig) -> PolicyConfig:
     return PolicyConfig(build=build_config(cfg), optim=typed_group(cfg, "optim", OptimSettings),
-                        decay_steps=max(1, cfg.trainer.steps), token_budget=cfg.trainer.token_budget)
+                        decay_steps=max(1, cfg.trainer.steps), token_budget=cfg.trainer.token_budget,
+                        seed=int(cfg.seed))
 
 
 def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
