@@ -9,6 +9,14 @@ field table in `api.py` before it leaves.
 Stale samples: a sample whose tokens carry a weight version older than the client's version when generate() was
 called came from a server that lost its weights (a restarted worker still on the initial model). It is dropped
 and generated again; `stats` counts drops and HTTP retries so the trainer can log them.
+
+Interrupt mode (`interrupt = True`, old_logp_source=interrupt|old_logit_model): every weight update is sent with
+`abort_all_requests=true`. SGLang then aborts every request in flight (finish_reason {"type": "abort", ...}, with
+the partial output, or "Abort before prefill" and no output for queued ones) and loads the weights under its
+writer lock, so no request sees two weight versions. The client holds new sends until every worker has answered
+the update, then sends each aborted sample again from its prompt with its own sampling_seed: its tokens all come
+from the new version (`stats["regenerated"]` counts them). Aborts the caller asked for (abort(), pause("abort"))
+are returned as aborts, never regenerated.
 """
 
 from __future__ import annotations
@@ -85,7 +93,12 @@ class AsyncSGLangClient:
         self.on_payload = on_payload  # observer of every payload sent (tests record them)
         self.tolerate = tolerate
         self.weight_version = int(version)
-        self.stats = {"http_retries": 0, "stale_dropped": 0}
+        self.stats = {"http_retries": 0, "stale_dropped": 0, "regenerated": 0}
+        self.interrupt = False  # see the module docstring (interrupt mode)
+        self._updates = 0  # interrupting weight updates started so far (a sample sent before one may be aborted)
+        self._user_aborts = 0  # abort(None) / pause("abort") calls so far
+        self._user_aborted: set[str] = set()  # sample rids the caller aborted one by one
+        self._open: asyncio.Event | None = None  # set unless an interrupting update is under way
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._load = dict.fromkeys(config.worker_urls, 0)  # in-flight samples per worker
@@ -100,6 +113,12 @@ class AsyncSGLangClient:
             )
             self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         return self._session
+
+    def _gate(self) -> asyncio.Event:
+        if self._open is None:
+            self._open = asyncio.Event()
+            self._open.set()
+        return self._open
 
     async def close(self) -> None:
         if self._session is not None:
@@ -200,6 +219,7 @@ class AsyncSGLangClient:
                 todo = stale
         finally:
             for req, _, srid in items:
+                self._user_aborted.discard(srid)
                 if req.rid is not None and req.rid in self._inflight:
                     self._inflight[req.rid].discard(srid)
                     if not self._inflight[req.rid]:
@@ -208,10 +228,48 @@ class AsyncSGLangClient:
 
     async def _generate_items(self, items: list[Item], floor: int) -> list[Sample]:
         if self.cfg.router_url:
-            return list(await asyncio.gather(*(self._generate_one(it) for it in items)))
+            return list(await asyncio.gather(*(self._restarting([it], self._send_one) for it in items)))
         chunks = [items[i : i + self.cfg.batch_size] for i in range(0, len(items), self.cfg.batch_size)]
-        done = await asyncio.gather(*(self._generate_chunk(c, floor) for c in chunks))
+        done = await asyncio.gather(
+            *(self._restarting(c, lambda part: self._generate_chunk(part, floor)) for c in chunks)
+        )
         return list(itertools.chain.from_iterable(done))
+
+    async def _send_one(self, items: list[Item]) -> list[Sample]:
+        return [await self._generate_one(items[0])]
+
+    async def _restarting(self, items: list[Item], send: Callable[[list[Item]], Any]) -> list[Sample]:
+        """send(items), then (interrupt mode) send again every sample an interrupting weight update aborted, until
+        none is: each comes back whole, from the prompt, under the weights it was last sent to."""
+        out: list[Sample | None] = [None] * len(items)
+        todo = list(range(len(items)))
+        while todo:
+            await self._gate().wait()  # no send while an interrupting update is under way
+            updates, user_aborts = self._updates, self._user_aborts
+            samples = await send([items[i] for i in todo])
+            again = []
+            for i, s in zip(todo, samples):
+                out[i] = s
+                if self.interrupt:
+                    self._check_single_version(s, items[i][2])
+                if (s.finish_reason == "abort" and self._updates > updates and self._user_aborts == user_aborts
+                        and items[i][2] not in self._user_aborted):  # fmt: skip
+                    again.append(i)
+            if again:
+                self.stats["regenerated"] += len(again)
+                log.info("%d sample(s) aborted by a weight update; generating them again from their prompts",
+                         len(again))  # fmt: skip
+            todo = again
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _check_single_version(s: Sample, srid: str) -> None:
+        if len(set(s.weight_versions)) > 1:
+            raise RuntimeError(
+                f"interrupt mode: sample {srid} came back with tokens of weight versions "
+                f"{sorted(set(s.weight_versions))}: the server changed weights mid-sample without aborting it "
+                "(it does not honour abort_all_requests)"
+            )
 
     async def _generate_one(self, item: Item) -> Sample:
         payload = single_generate_payload(item, self.cfg.seeded)
@@ -253,13 +311,51 @@ class AsyncSGLangClient:
 
     async def abort(self, rid: str | None = None) -> None:
         if rid is None:
+            self._user_aborts += 1
             await self.post_all("/abort_request", {"rid": "", "abort_all": True})
             return
         subs = sorted(self._inflight.get(rid, ()))
+        self._user_aborted.update(subs)
         await asyncio.gather(*(self.post_all("/abort_request", {"rid": s}) for s in subs))
+
+    async def check_abort(self) -> None:
+        """Interrupt mode needs workers that abort: each must answer /abort_request (an unknown rid is a no-op in
+        SGLang). One line naming the URL otherwise (a router or another server given as a worker URL)."""
+        for url in self.cfg.worker_urls:
+            try:
+                await self.request("POST", url, "/abort_request", {"rid": "mcore-rl-abort-probe"}, retries=0)
+            except (SGLangHTTPError, aiohttp.ClientError, TimeoutError) as exc:
+                raise RuntimeError(
+                    f"rollout.worker_urls: {url} cannot abort requests ({str(exc).splitlines()[0][:200]}); interrupt "
+                    "mode (old_logp_source=interrupt|old_logit_model) needs SGLang workers that answer "
+                    "/abort_request and honour abort_all_requests (a router does not forward aborts)"
+                ) from None
+
+    async def _interrupting(self, coro) -> Any:
+        """Run a weight update; in interrupt mode hold new sends until every worker has answered it."""
+        await self.begin_update()
+        try:
+            return await coro
+        finally:
+            await self.end_update()
+
+    async def begin_update(self) -> None:
+        """Interrupt mode: from now on new sends wait, and samples sent earlier that come back aborted are sent
+        again (bucketed tensor/nccl updates call this once around all their buckets)."""
+        if self.interrupt:
+            self._gate().clear()
+            self._updates += 1
+
+    async def end_update(self) -> None:
+        self._gate().set()
+
+    def _abort_all(self) -> dict[str, bool]:
+        return {"abort_all_requests": True} if self.interrupt else {}
 
     # ------------------------------------------------------------------ control
     async def pause(self, mode: PauseMode = "abort") -> None:
+        if mode == "abort":
+            self._user_aborts += 1
         await self.post_all("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
@@ -288,7 +384,8 @@ class AsyncSGLangClient:
         """Every worker (or only `urls`) loads the folder and tags later tokens with `version`."""
         payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
         if urls is None:
-            results = await self.post_all("/update_weights_from_disk", payload)
+            payload.update(self._abort_all())
+            results = await self._interrupting(self.post_all("/update_weights_from_disk", payload))
         else:
             replies = await asyncio.gather(*(self.request("POST", u, "/update_weights_from_disk", payload)
                                              for u in urls))  # fmt: skip
@@ -299,8 +396,8 @@ class AsyncSGLangClient:
         self.weight_version = int(version)
 
     async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
-        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests}
-        await self.post_all("/update_weight_version", payload)
+        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests or self.interrupt}
+        await self._interrupting(self.post_all("/update_weight_version", payload))
         self.weight_version = int(version)
 
     async def update_weights_from_tensor(self, url: str, payload: dict) -> None:

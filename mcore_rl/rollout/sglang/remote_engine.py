@@ -53,6 +53,11 @@ def read_api_key(api_key_env: str | None = None, api_key_file: str | None = None
 
 
 @dataclass
+class RemoteStats:
+    regenerated: int  # samples sent again from their prompt after a weight update aborted them (interrupt mode)
+
+
+@dataclass
 class _LoopThread:
     """A private event loop on a daemon thread: sync callers submit coroutines to it."""
 
@@ -150,6 +155,25 @@ class SGLangEngine:
         msg = self._launcher.failure() if self._launcher is not None else None
         if msg:
             raise EngineFailure(msg)
+
+    @property
+    def stats(self) -> RemoteStats:
+        """Like LocalEngine.stats, for the counters the old-log-prob sources read."""
+        return RemoteStats(regenerated=int(self.client.stats["regenerated"]))
+
+    def set_interrupt_on_update(self, enabled: bool = True) -> None:
+        """Interrupt mode (old_logp_source=interrupt|old_logit_model): every weight update is sent with
+        abort_all_requests=true and each aborted sample is generated again from its prompt (same sampling_seed)
+        under the new weights, so every sample's tokens come from one version (client.py). Checks first that
+        every worker answers /abort_request: one line naming the URL otherwise."""
+        if enabled:
+            from mcore_rl.config.checks import ConfigError
+
+            try:
+                self._run(self.client.check_abort())
+            except RuntimeError as exc:
+                raise ConfigError(str(exc)) from None
+        self.client.interrupt = bool(enabled)
 
     def fault_metrics(self) -> dict[str, float]:
         """Cumulative counters for the trainer's metrics."""
