@@ -187,8 +187,13 @@ class AsyncSGLangClient:
         return {u: r for u, r in zip(urls, results) if not isinstance(r, BaseException)}
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
-        """Samples in protocol order; sample j of request `rid` travels as SGLang rid `rid#j` (abortable)."""
+    async def generate(
+        self, requests: Sequence[GenerationRequest], on_sample: Callable[[int, Sample], None] | None = None
+    ) -> list[Sample]:
+        """Samples in protocol order; sample j of request `rid` travels as SGLang rid `rid#j` (abortable).
+
+        on_sample(k, sample): called as soon as sample k (protocol order) is final, before the whole call returns
+        (the engine resolves its per-sample futures with it: a schedule sees samples as they finish)."""
         floor = self.weight_version  # no token of this call may come from older weights
         items: list[Item] = []
         for req, j in expand_requests(requests):
@@ -198,9 +203,15 @@ class AsyncSGLangClient:
                 self._inflight.setdefault(req.rid, set()).add(srid)
         out: list[Sample | None] = [None] * len(items)
         todo = list(range(len(items)))
+        index = {srid: k for k, (_, _, srid) in enumerate(items)}
+
+        def final(srid: str, s: Sample) -> None:
+            if on_sample is not None and not (s.weight_versions and min(s.weight_versions) < floor):
+                on_sample(index[srid], s)
+
         try:
             for attempt in range(self.cfg.stale_retries + 1):
-                samples = await self._generate_items([items[i] for i in todo], floor)
+                samples = await self._generate_items([items[i] for i in todo], floor, final)
                 stale = []
                 for i, s in zip(todo, samples):
                     if s.weight_versions and min(s.weight_versions) < floor:
@@ -226,19 +237,24 @@ class AsyncSGLangClient:
                         del self._inflight[req.rid]
         return out  # type: ignore[return-value]
 
-    async def _generate_items(self, items: list[Item], floor: int) -> list[Sample]:
-        if self.cfg.router_url:
-            return list(await asyncio.gather(*(self._restarting([it], self._send_one) for it in items)))
+    async def _generate_items(
+        self, items: list[Item], floor: int, final: Callable[[str, Sample], None] | None = None
+    ) -> list[Sample]:
+        if self.cfg.router_url:  # one sample per request
+            done = await asyncio.gather(*(self._restarting([it], self._send_one, final) for it in items))
+            return list(itertools.chain.from_iterable(done))
         chunks = [items[i : i + self.cfg.batch_size] for i in range(0, len(items), self.cfg.batch_size)]
         done = await asyncio.gather(
-            *(self._restarting(c, lambda part: self._generate_chunk(part, floor)) for c in chunks)
+            *(self._restarting(c, lambda part: self._generate_chunk(part, floor), final) for c in chunks)
         )
         return list(itertools.chain.from_iterable(done))
 
     async def _send_one(self, items: list[Item]) -> list[Sample]:
         return [await self._generate_one(items[0])]
 
-    async def _restarting(self, items: list[Item], send: Callable[[list[Item]], Any]) -> list[Sample]:
+    async def _restarting(
+        self, items: list[Item], send: Callable[[list[Item]], Any], final: Callable[[str, Sample], None] | None
+    ) -> list[Sample]:
         """send(items), then (interrupt mode) send again every sample an interrupting weight update aborted, until
         none is: each comes back whole, from the prompt, under the weights it was last sent to."""
         out: list[Sample | None] = [None] * len(items)
@@ -255,6 +271,8 @@ class AsyncSGLangClient:
                 if (s.finish_reason == "abort" and self._updates > updates and self._user_aborts == user_aborts
                         and items[i][2] not in self._user_aborted):  # fmt: skip
                     again.append(i)
+                elif final is not None:
+                    final(items[i][2], s)
             if again:
                 self.stats["regenerated"] += len(again)
                 log.info("%d sample(s) aborted by a weight update; generating them again from their prompts",

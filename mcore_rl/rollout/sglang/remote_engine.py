@@ -215,18 +215,23 @@ class SGLangEngine:
         requests = self._seeded(requests)
         futures: list[Future] = [Future() for _ in expand_requests(requests)]
 
+        def one(k: int, sample: Sample) -> None:  # as each sample is final (event-loop thread)
+            if not futures[k].done():
+                futures[k].set_result(sample)
+
         def fan_out(batch: Future) -> None:
             exc = batch.exception()
             if exc is not None:
                 msg = self._launcher.failure() if self._launcher is not None else None
                 exc = EngineFailure(msg) if msg else exc
                 for f in futures:
-                    f.set_exception(exc)
+                    if not f.done():
+                        f.set_exception(exc)
             else:
-                for f, sample in zip(futures, batch.result()):
-                    f.set_result(sample)
+                for k, sample in enumerate(batch.result()):
+                    one(k, sample)
 
-        self._lt.submit(self.client.generate(requests)).add_done_callback(fan_out)
+        self._lt.submit(self.client.generate(requests, on_sample=one)).add_done_callback(fan_out)
         return futures
 
     def abort(self, rid: str | None = None) -> None:
