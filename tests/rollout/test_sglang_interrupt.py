@@ -140,25 +140,29 @@ def _train(routed, tmp_path, *overrides: str):
     ))  # fmt: skip
 
 
-def test_async_interrupt_run_through_router(engine, routed, tmp_path):
+@pytest.mark.parametrize("source", ["interrupt", pytest.param("old_logit_model", marks=pytest.mark.slow)])
+def test_async_interrupt_run_through_router(engine, routed, tmp_path, source):
     """(a) A free-running async k=2 run on SGLang with old_logp_source=interrupt: weight syncs land while the
     rounds ahead decode (one sample at a time per worker), the workers abort them and the client regenerates them;
-    the interrupt source refuses any row whose tokens span versions, so a finished run means none did."""
+    the interrupt source refuses any row whose tokens span versions, so a finished run means none did.
+    old_logit_model turns on the same mode (its scoring model holds one version per sample)."""
     from tests.e2e.test_train_tiny import records
 
     engine.update_weights_from_disk(str(trainer_tiny_dir()), 0)  # what a fresh trainer starts from
     t0 = time.time()
-    proc = _train(routed, tmp_path, "algorithm.old_logp_source=interrupt", "trainer.steps=4",
+    proc = _train(routed, tmp_path, f"algorithm.old_logp_source={source}", "trainer.steps=4",
                   "trainer.max_new_tokens=160", "algorithm.old_logp_audit_frac=0.5")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = records(tmp_path)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     last = recs[-1]
     assert last["old_logp_regenerated_samples"] > 0, last
-    assert max(r["old_logp_error"] for r in recs) <= 1e-6  # exact in version (the audit's own reference)
+    audit = max(r["old_logp_error"] for r in recs)  # vs the audit's per-version reference on half the rows
+    assert audit <= 1e-5  # exact up to fp32 rounding of another batch shape
     assert last["rollout_stale_dropped"] == 0 and versions(routed) == ["4", "4"]
-    print(f"async interrupt run through router: 4 updates in {time.time() - t0:.0f}s, regenerated "
-          f"{last['old_logp_regenerated_samples']:.0f} samples, staleness_max {last.get('staleness_max')}",
+    print(f"async {source} run through router: 4 updates in {time.time() - t0:.0f}s, regenerated "
+          f"{last['old_logp_regenerated_samples']:.0f} samples, staleness_max {last.get('staleness_max')}, "
+          f"audit old_logp_error max {audit:.2e}",
           file=sys.stderr)
 
 
