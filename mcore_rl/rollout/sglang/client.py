@@ -10,13 +10,9 @@ Stale samples: a sample whose tokens carry a weight version older than the clien
 called came from a server that lost its weights (a restarted worker still on the initial model). It is dropped
 and generated again; `stats` counts drops and HTTP retries so the trainer can log them.
 
-Interrupt mode (`interrupt = True`, old_logp_source=interrupt|old_logit_model): every weight update is sent with
-`abort_all_requests=true`. SGLang then aborts every request in flight (finish_reason {"type": "abort", ...}, with
-the partial output, or "Abort before prefill" and no output for queued ones) and loads the weights under its
-writer lock, so no request sees two weight versions. The client holds new sends until every worker has answered
-the update, then sends each aborted sample again from its prompt with its own sampling_seed: its tokens all come
-from the new version (`stats["regenerated"]` counts them). Aborts the caller asked for (abort(), pause("abort"))
-are returned as aborts, never regenerated.
+Interrupt mode (`interrupts.enabled`, old_logp_source=interrupt|old_logit_model; see interrupt.py): every weight
+update is sent with `abort_all_requests=true`, new sends wait until every worker has answered it, and each sample
+it aborted is sent again from its prompt with its own sampling_seed (`stats["regenerated"]` counts them).
 """
 
 from __future__ import annotations
@@ -41,6 +37,7 @@ from mcore_rl.rollout.sglang.api import (
     parse_sample,
     single_generate_payload,
 )
+from mcore_rl.rollout.sglang.interrupt import Interrupts
 
 log = logging.getLogger(__name__)
 Item = tuple[GenerationRequest, int, str]  # (request, sample index, SGLang rid)
@@ -94,11 +91,7 @@ class AsyncSGLangClient:
         self.tolerate = tolerate
         self.weight_version = int(version)
         self.stats = {"http_retries": 0, "stale_dropped": 0, "regenerated": 0}
-        self.interrupt = False  # see the module docstring (interrupt mode)
-        self._updates = 0  # interrupting weight updates started so far (a sample sent before one may be aborted)
-        self._user_aborts = 0  # abort(None) / pause("abort") calls so far
-        self._user_aborted: set[str] = set()  # sample rids the caller aborted one by one
-        self._open: asyncio.Event | None = None  # set unless an interrupting update is under way
+        self.interrupts = Interrupts()
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._load = dict.fromkeys(config.worker_urls, 0)  # in-flight samples per worker
@@ -113,12 +106,6 @@ class AsyncSGLangClient:
             )
             self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         return self._session
-
-    def _gate(self) -> asyncio.Event:
-        if self._open is None:
-            self._open = asyncio.Event()
-            self._open.set()
-        return self._open
 
     async def close(self) -> None:
         if self._session is not None:
@@ -230,7 +217,7 @@ class AsyncSGLangClient:
                 todo = stale
         finally:
             for req, _, srid in items:
-                self._user_aborted.discard(srid)
+                self.interrupts.caller_aborted.discard(srid)
                 if req.rid is not None and req.rid in self._inflight:
                     self._inflight[req.rid].discard(srid)
                     if not self._inflight[req.rid]:
@@ -260,16 +247,13 @@ class AsyncSGLangClient:
         out: list[Sample | None] = [None] * len(items)
         todo = list(range(len(items)))
         while todo:
-            await self._gate().wait()  # no send while an interrupting update is under way
-            updates, user_aborts = self._updates, self._user_aborts
+            await self.interrupts.gate().wait()  # no send while an interrupting update is under way
+            sent = self.interrupts.mark()
             samples = await send([items[i] for i in todo])
             again = []
             for i, s in zip(todo, samples):
                 out[i] = s
-                if self.interrupt:
-                    self._check_single_version(s, items[i][2])
-                if (s.finish_reason == "abort" and self._updates > updates and self._user_aborts == user_aborts
-                        and items[i][2] not in self._user_aborted):  # fmt: skip
+                if self.interrupts.restart(items[i][2], s, sent):
                     again.append(i)
                 elif final is not None:
                     final(items[i][2], s)
@@ -279,15 +263,6 @@ class AsyncSGLangClient:
                          len(again))  # fmt: skip
             todo = again
         return out  # type: ignore[return-value]
-
-    @staticmethod
-    def _check_single_version(s: Sample, srid: str) -> None:
-        if len(set(s.weight_versions)) > 1:
-            raise RuntimeError(
-                f"interrupt mode: sample {srid} came back with tokens of weight versions "
-                f"{sorted(set(s.weight_versions))}: the server changed weights mid-sample without aborting it "
-                "(it does not honour abort_all_requests)"
-            )
 
     async def _generate_one(self, item: Item) -> Sample:
         payload = single_generate_payload(item, self.cfg.seeded)
@@ -329,11 +304,11 @@ class AsyncSGLangClient:
 
     async def abort(self, rid: str | None = None) -> None:
         if rid is None:
-            self._user_aborts += 1
+            self.interrupts.caller_aborts += 1
             await self.post_all("/abort_request", {"rid": "", "abort_all": True})
             return
         subs = sorted(self._inflight.get(rid, ()))
-        self._user_aborted.update(subs)
+        self.interrupts.caller_aborted.update(subs)
         await asyncio.gather(*(self.post_all("/abort_request", {"rid": s}) for s in subs))
 
     async def check_abort(self) -> None:
@@ -351,29 +326,23 @@ class AsyncSGLangClient:
 
     async def _interrupting(self, coro) -> Any:
         """Run a weight update; in interrupt mode hold new sends until every worker has answered it."""
-        await self.begin_update()
+        self.interrupts.begin()
         try:
             return await coro
         finally:
-            await self.end_update()
+            self.interrupts.end()
 
     async def begin_update(self) -> None:
-        """Interrupt mode: from now on new sends wait, and samples sent earlier that come back aborted are sent
-        again (bucketed tensor/nccl updates call this once around all their buckets)."""
-        if self.interrupt:
-            self._gate().clear()
-            self._updates += 1
+        """From another thread, around a bucketed (tensor/nccl) update: the gate lives in this loop."""
+        self.interrupts.begin()
 
     async def end_update(self) -> None:
-        self._gate().set()
-
-    def _abort_all(self) -> dict[str, bool]:
-        return {"abort_all_requests": True} if self.interrupt else {}
+        self.interrupts.end()
 
     # ------------------------------------------------------------------ control
     async def pause(self, mode: PauseMode = "abort") -> None:
         if mode == "abort":
-            self._user_aborts += 1
+            self.interrupts.caller_aborts += 1
         await self.post_all("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
@@ -402,7 +371,7 @@ class AsyncSGLangClient:
         """Every worker (or only `urls`) loads the folder and tags later tokens with `version`."""
         payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
         if urls is None:
-            payload.update(self._abort_all())
+            payload.update(self.interrupts.payload())
             results = await self._interrupting(self.post_all("/update_weights_from_disk", payload))
         else:
             replies = await asyncio.gather(*(self.request("POST", u, "/update_weights_from_disk", payload)
@@ -414,7 +383,7 @@ class AsyncSGLangClient:
         self.weight_version = int(version)
 
     async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
-        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests or self.interrupt}
+        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests or self.interrupts.enabled}
         await self._interrupting(self.post_all("/update_weight_version", payload))
         self.weight_version = int(version)
 

@@ -173,7 +173,7 @@ class SGLangEngine:
                 self._run(self.client.check_abort())
             except RuntimeError as exc:
                 raise ConfigError(str(exc)) from None
-        self.client.interrupt = bool(enabled)
+        self.client.interrupts.enabled = bool(enabled)
 
     def fault_metrics(self) -> dict[str, float]:
         """Cumulative counters for the trainer's metrics."""

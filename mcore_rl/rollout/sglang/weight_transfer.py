@@ -50,7 +50,7 @@ def _update(engine) -> Iterator[dict[str, bool]]:
     wait until the last bucket is in (so no sample sees half an update)."""
     engine._lt.run(engine.client.begin_update())
     try:
-        yield engine.client._abort_all()
+        yield engine.client.interrupts.payload()
     finally:
         engine._lt.run(engine.client.end_update())
 
