@@ -52,7 +52,7 @@ class OldLogpSource:
             if not hasattr(ctx.engine, "set_interrupt_on_update"):
                 raise ValueError(f"algorithm.old_logp_source={self.name}: rollout engine "
                                  f"{type(ctx.engine).__name__} cannot restart in-flight samples at a weight "
-                                 "update (use rollout=local, or old_logp_source=snapshot)")
+                                 "update (use rollout=local or rollout=sglang, or old_logp_source=snapshot)")
             ctx.engine.set_interrupt_on_update(True)
         self.auditor = Auditor(ctx.audit_frac, ctx.seed) if ctx.audit_frac > 0 else None
         self._metrics: dict[str, float] = {}

@@ -23,6 +23,23 @@ HOLD_AFTER_TOKENS = 16
 HOLD_AFTER_SAMPLES = 2
 
 
+def _local_progress(run) -> bool:
+    """Local engine: samples of the next round have finished (stale when consumed) and one is half-way."""
+    if not run.engine.num_running:
+        return True
+    longest = max((len(r.out) for r in list(run.engine._batch.rows)), default=0)
+    return len(run._finished_samples()) >= HOLD_AFTER_SAMPLES and longest >= HOLD_AFTER_TOKENS
+
+
+def _remote_progress(run) -> bool:
+    """SGLang (servers decoding one sample at a time): a sample of the current version has finished (stale when
+    consumed); the ones decoding now are in flight at the sync."""
+    futures = [f for rnd in run.schedule.pending for r in rnd.requests if r.futures for f in r.futures]
+    if all(f.done() for f in futures):
+        return True
+    return any(s.weight_versions and s.weight_versions[0] == run.version for s in run._finished_samples())
+
+
 def main(out: str, overrides: list[str]) -> None:
     import torch
     from hydra import compose, initialize_config_dir
@@ -51,15 +68,12 @@ def main(out: str, overrides: list[str]) -> None:
         # by then a few samples of the rounds ahead have finished (stale when consumed) and one is half-way, so
         # each sync lands mid-sample and that sample spans two versions (interrupt mode restarts it instead)
         generate, sync = run.next_batch, run.sync_weights
+        wait_for = _local_progress if hasattr(run.engine, "_batch") else _remote_progress
 
         def held_generate(n):
             out_ = generate(n)
-            deadline = time.monotonic() + 10.0  # let samples of the next round finish (they will be stale when
-            while run.engine.num_running and time.monotonic() < deadline:  # consumed) and one get half-way
-                done = len(run._finished_samples())
-                longest = max((len(r.out) for r in list(run.engine._batch.rows)), default=0)
-                if done >= HOLD_AFTER_SAMPLES and longest >= HOLD_AFTER_TOKENS:
-                    break
+            deadline = time.monotonic() + 10.0
+            while not wait_for(run) and time.monotonic() < deadline:
                 time.sleep(0.005)
             run.engine.pause("in_place")
             return out_

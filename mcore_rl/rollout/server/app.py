@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,15 @@ class ServerState:
     api_key: str | None = None
     queued: int = 0
     ignored_fields: set[tuple[str, str]] = field(default_factory=set)
+    # SGLang's model_update_lock: every /generate holds the reader side for its whole life; a weight update with
+    # abort_all_requests aborts them all, then takes the writer side (new /generate calls wait) - no request
+    # ever sees two weight versions. `readers` counts /generate calls inside; `open` is cleared by a writer.
+    readers: int = 0
+    open: asyncio.Event = field(default_factory=asyncio.Event)
+    idle: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def __post_init__(self) -> None:
+        self.open.set()
 
 
 STATE = web.AppKey("state", ServerState)
@@ -97,6 +107,18 @@ async def generate(request: web.Request) -> web.Response:
         raise TooBusy(f"/generate: {count} samples (prompts x n) > max_samples_per_request={lim.max_samples_per_request}")
     if state.queued + count > lim.max_queued_samples:
         raise TooBusy(f"/generate: {state.queued} samples queued + {count} > max_queued_samples={lim.max_queued_samples}")
+    await state.open.wait()  # a weight update holds the writer side
+    state.readers += 1
+    try:
+        return await _generate(request, state, requests, options, single, count, t0)
+    finally:
+        state.readers -= 1
+        async with state.idle:
+            state.idle.notify_all()
+
+
+async def _generate(request, state: ServerState, requests, options, single: bool, count: int, t0: float):
+    engine = state.engine
     try:
         futures = engine.submit(requests)
     except (RuntimeError, ValueError) as exc:
@@ -119,18 +141,37 @@ async def _in_thread(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+@asynccontextmanager
+async def _writer(state: ServerState, abort_all: bool):
+    """abort_all_requests: abort everything in flight, then hold the writer side of SGLang's model_update_lock
+    (wait until the aborted /generate calls have answered; new ones wait until the update is done). A paused
+    server updates at once, as SGLang does (no lock while paused)."""
+    if not abort_all:
+        yield
+        return
+    state.engine.abort(None)
+    if state.engine.paused:
+        yield
+        return
+    state.open.clear()
+    try:
+        async with state.idle:
+            await state.idle.wait_for(lambda: state.readers == 0)
+        yield
+    finally:
+        state.open.set()
+
+
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = _engine(request)
     body = await _body(request, "/update_weights_from_disk")
     if not body.get("model_path"):
         raise BadRequest("/update_weights_from_disk: model_path is required")
     version = as_int_version(body.get("weight_version"), "weight_version")
-    if body.get("abort_all_requests"):
-        engine.abort(None)
     try:
-        await _in_thread(
-            engine.update_weights_from_disk, body["model_path"], engine.weight_version if version is None else version
-        )
+        async with _writer(request.app[STATE], bool(body.get("abort_all_requests"))):
+            await _in_thread(engine.update_weights_from_disk, body["model_path"],
+                             engine.weight_version if version is None else version)  # fmt: skip
     except (OSError, KeyError, ValueError, RuntimeError) as exc:
         msg = f"Failed to update weights: {exc}"
         return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)

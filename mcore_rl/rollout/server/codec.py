@@ -124,12 +124,18 @@ def parse_generate(
     return requests, options, single and requests[0].sampling.n == 1
 
 
+# SGLang's aborts: a request still queued is answered by its tokenizer manager ("Abort before prefill", no output);
+# a running one finishes with FINISH_ABORT(message=None).to_json() and keeps the tokens it had produced.
+ABORT_QUEUED = {"type": "abort", "message": "Abort before prefill"}
+ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
 def _finish(sample: Sample) -> dict[str, Any]:
     if sample.finish_reason == "stop":
         return {"type": "stop", "matched": sample.matched_stop}
     if sample.finish_reason == "length":
         return {"type": "length", "length": len(sample.output_ids)}
-    return {"type": "abort", "message": "Abort request"}
+    return dict(ABORT_RUNNING if sample.output_ids else ABORT_QUEUED)
 
 
 def _spans(versions: list[int]) -> list[dict[str, Any]]:
@@ -143,6 +149,10 @@ def _spans(versions: list[int]) -> list[dict[str, Any]]:
 
 
 def render_sample(sample: Sample, opts: dict, engine, t0: float) -> dict[str, Any]:
+    if sample.finish_reason == "abort" and not sample.output_ids:  # SGLang's _handle_abort_req reply, as is
+        meta = {"id": sample.rid, "finish_reason": dict(ABORT_QUEUED), "prompt_tokens": 0, "completion_tokens": 0,
+                "cached_tokens": 0, "weight_version": str(engine.weight_version)}  # fmt: skip
+        return {"text": "", "output_ids": [], "meta_info": meta}
     tok = engine.tokenizer
     text = sample.text
     if tok is not None and (opts.get("skip_special_tokens") is False or opts.get("no_stop_trim")):

@@ -9,6 +9,10 @@ field table in `api.py` before it leaves.
 Stale samples: a sample whose tokens carry a weight version older than the client's version when generate() was
 called came from a server that lost its weights (a restarted worker still on the initial model). It is dropped
 and generated again; `stats` counts drops and HTTP retries so the trainer can log them.
+
+Interrupt mode (`interrupts.enabled`, old_logp_source=interrupt|old_logit_model; see interrupt.py): every weight
+update is sent with `abort_all_requests=true`, new sends wait until every worker has answered it, and each sample
+it aborted is sent again from its prompt with its own sampling_seed (`stats["regenerated"]` counts them).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from mcore_rl.rollout.sglang.api import (
     parse_sample,
     single_generate_payload,
 )
+from mcore_rl.rollout.sglang.interrupt import Interrupts
 
 log = logging.getLogger(__name__)
 Item = tuple[GenerationRequest, int, str]  # (request, sample index, SGLang rid)
@@ -85,7 +90,8 @@ class AsyncSGLangClient:
         self.on_payload = on_payload  # observer of every payload sent (tests record them)
         self.tolerate = tolerate
         self.weight_version = int(version)
-        self.stats = {"http_retries": 0, "stale_dropped": 0}
+        self.stats = {"http_retries": 0, "stale_dropped": 0, "regenerated": 0}
+        self.interrupts = Interrupts()
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._load = dict.fromkeys(config.worker_urls, 0)  # in-flight samples per worker
@@ -168,8 +174,13 @@ class AsyncSGLangClient:
         return {u: r for u, r in zip(urls, results) if not isinstance(r, BaseException)}
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
-        """Samples in protocol order; sample j of request `rid` travels as SGLang rid `rid#j` (abortable)."""
+    async def generate(
+        self, requests: Sequence[GenerationRequest], on_sample: Callable[[int, Sample], None] | None = None
+    ) -> list[Sample]:
+        """Samples in protocol order; sample j of request `rid` travels as SGLang rid `rid#j` (abortable).
+
+        on_sample(k, sample): called as soon as sample k (protocol order) is final, before the whole call returns
+        (the engine resolves its per-sample futures with it: a schedule sees samples as they finish)."""
         floor = self.weight_version  # no token of this call may come from older weights
         items: list[Item] = []
         for req, j in expand_requests(requests):
@@ -179,9 +190,15 @@ class AsyncSGLangClient:
                 self._inflight.setdefault(req.rid, set()).add(srid)
         out: list[Sample | None] = [None] * len(items)
         todo = list(range(len(items)))
+        index = {srid: k for k, (_, _, srid) in enumerate(items)}
+
+        def final(srid: str, s: Sample) -> None:
+            if on_sample is not None and not (s.weight_versions and min(s.weight_versions) < floor):
+                on_sample(index[srid], s)
+
         try:
             for attempt in range(self.cfg.stale_retries + 1):
-                samples = await self._generate_items([items[i] for i in todo], floor)
+                samples = await self._generate_items([items[i] for i in todo], floor, final)
                 stale = []
                 for i, s in zip(todo, samples):
                     if s.weight_versions and min(s.weight_versions) < floor:
@@ -200,18 +217,52 @@ class AsyncSGLangClient:
                 todo = stale
         finally:
             for req, _, srid in items:
+                self.interrupts.caller_aborted.discard(srid)
                 if req.rid is not None and req.rid in self._inflight:
                     self._inflight[req.rid].discard(srid)
                     if not self._inflight[req.rid]:
                         del self._inflight[req.rid]
         return out  # type: ignore[return-value]
 
-    async def _generate_items(self, items: list[Item], floor: int) -> list[Sample]:
-        if self.cfg.router_url:
-            return list(await asyncio.gather(*(self._generate_one(it) for it in items)))
+    async def _generate_items(
+        self, items: list[Item], floor: int, final: Callable[[str, Sample], None] | None = None
+    ) -> list[Sample]:
+        if self.cfg.router_url:  # one sample per request
+            done = await asyncio.gather(*(self._restarting([it], self._send_one, final) for it in items))
+            return list(itertools.chain.from_iterable(done))
         chunks = [items[i : i + self.cfg.batch_size] for i in range(0, len(items), self.cfg.batch_size)]
-        done = await asyncio.gather(*(self._generate_chunk(c, floor) for c in chunks))
+        done = await asyncio.gather(
+            *(self._restarting(c, lambda part: self._generate_chunk(part, floor), final) for c in chunks)
+        )
         return list(itertools.chain.from_iterable(done))
+
+    async def _send_one(self, items: list[Item]) -> list[Sample]:
+        return [await self._generate_one(items[0])]
+
+    async def _restarting(
+        self, items: list[Item], send: Callable[[list[Item]], Any], final: Callable[[str, Sample], None] | None
+    ) -> list[Sample]:
+        """send(items), then (interrupt mode) send again every sample an interrupting weight update aborted, until
+        none is: each comes back whole, from the prompt, under the weights it was last sent to."""
+        out: list[Sample | None] = [None] * len(items)
+        todo = list(range(len(items)))
+        while todo:
+            await self.interrupts.gate().wait()  # no send while an interrupting update is under way
+            sent = self.interrupts.mark()
+            samples = await send([items[i] for i in todo])
+            again = []
+            for i, s in zip(todo, samples):
+                out[i] = s
+                if self.interrupts.restart(items[i][2], s, sent):
+                    again.append(i)
+                elif final is not None:
+                    final(items[i][2], s)
+            if again:
+                self.stats["regenerated"] += len(again)
+                log.info("%d sample(s) aborted by a weight update; generating them again from their prompts",
+                         len(again))  # fmt: skip
+            todo = again
+        return out  # type: ignore[return-value]
 
     async def _generate_one(self, item: Item) -> Sample:
         payload = single_generate_payload(item, self.cfg.seeded)
@@ -253,13 +304,45 @@ class AsyncSGLangClient:
 
     async def abort(self, rid: str | None = None) -> None:
         if rid is None:
+            self.interrupts.caller_aborts += 1
             await self.post_all("/abort_request", {"rid": "", "abort_all": True})
             return
         subs = sorted(self._inflight.get(rid, ()))
+        self.interrupts.caller_aborted.update(subs)
         await asyncio.gather(*(self.post_all("/abort_request", {"rid": s}) for s in subs))
+
+    async def check_abort(self) -> None:
+        """Interrupt mode needs workers that abort: each must answer /abort_request (an unknown rid is a no-op in
+        SGLang). One line naming the URL otherwise (a router or another server given as a worker URL)."""
+        for url in self.cfg.worker_urls:
+            try:
+                await self.request("POST", url, "/abort_request", {"rid": "mcore-rl-abort-probe"}, retries=0)
+            except (SGLangHTTPError, aiohttp.ClientError, TimeoutError) as exc:
+                raise RuntimeError(
+                    f"rollout.worker_urls: {url} cannot abort requests ({str(exc).splitlines()[0][:200]}); interrupt "
+                    "mode (old_logp_source=interrupt|old_logit_model) needs SGLang workers that answer "
+                    "/abort_request and honour abort_all_requests (a router does not forward aborts)"
+                ) from None
+
+    async def _interrupting(self, coro) -> Any:
+        """Run a weight update; in interrupt mode hold new sends until every worker has answered it."""
+        self.interrupts.begin()
+        try:
+            return await coro
+        finally:
+            self.interrupts.end()
+
+    async def begin_update(self) -> None:
+        """From another thread, around a bucketed (tensor/nccl) update: the gate lives in this loop."""
+        self.interrupts.begin()
+
+    async def end_update(self) -> None:
+        self.interrupts.end()
 
     # ------------------------------------------------------------------ control
     async def pause(self, mode: PauseMode = "abort") -> None:
+        if mode == "abort":
+            self.interrupts.caller_aborts += 1
         await self.post_all("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
@@ -288,7 +371,8 @@ class AsyncSGLangClient:
         """Every worker (or only `urls`) loads the folder and tags later tokens with `version`."""
         payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
         if urls is None:
-            results = await self.post_all("/update_weights_from_disk", payload)
+            payload.update(self.interrupts.payload())
+            results = await self._interrupting(self.post_all("/update_weights_from_disk", payload))
         else:
             replies = await asyncio.gather(*(self.request("POST", u, "/update_weights_from_disk", payload)
                                              for u in urls))  # fmt: skip
@@ -299,8 +383,8 @@ class AsyncSGLangClient:
         self.weight_version = int(version)
 
     async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
-        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests}
-        await self.post_all("/update_weight_version", payload)
+        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests or self.interrupts.enabled}
+        await self._interrupting(self.post_all("/update_weight_version", payload))
         self.weight_version = int(version)
 
     async def update_weights_from_tensor(self, url: str, payload: dict) -> None:

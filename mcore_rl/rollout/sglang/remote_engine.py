@@ -53,6 +53,11 @@ def read_api_key(api_key_env: str | None = None, api_key_file: str | None = None
 
 
 @dataclass
+class RemoteStats:
+    regenerated: int  # samples sent again from their prompt after a weight update aborted them (interrupt mode)
+
+
+@dataclass
 class _LoopThread:
     """A private event loop on a daemon thread: sync callers submit coroutines to it."""
 
@@ -151,6 +156,25 @@ class SGLangEngine:
         if msg:
             raise EngineFailure(msg)
 
+    @property
+    def stats(self) -> RemoteStats:
+        """Like LocalEngine.stats, for the counters the old-log-prob sources read."""
+        return RemoteStats(regenerated=int(self.client.stats["regenerated"]))
+
+    def set_interrupt_on_update(self, enabled: bool = True) -> None:
+        """Interrupt mode (old_logp_source=interrupt|old_logit_model): every weight update is sent with
+        abort_all_requests=true and each aborted sample is generated again from its prompt (same sampling_seed)
+        under the new weights, so every sample's tokens come from one version (client.py). Checks first that
+        every worker answers /abort_request: one line naming the URL otherwise."""
+        if enabled:
+            from mcore_rl.config.checks import ConfigError
+
+            try:
+                self._run(self.client.check_abort())
+            except RuntimeError as exc:
+                raise ConfigError(str(exc)) from None
+        self.client.interrupts.enabled = bool(enabled)
+
     def fault_metrics(self) -> dict[str, float]:
         """Cumulative counters for the trainer's metrics."""
         return {
@@ -191,18 +215,23 @@ class SGLangEngine:
         requests = self._seeded(requests)
         futures: list[Future] = [Future() for _ in expand_requests(requests)]
 
+        def one(k: int, sample: Sample) -> None:  # as each sample is final (event-loop thread)
+            if not futures[k].done():
+                futures[k].set_result(sample)
+
         def fan_out(batch: Future) -> None:
             exc = batch.exception()
             if exc is not None:
                 msg = self._launcher.failure() if self._launcher is not None else None
                 exc = EngineFailure(msg) if msg else exc
                 for f in futures:
-                    f.set_exception(exc)
+                    if not f.done():
+                        f.set_exception(exc)
             else:
-                for f, sample in zip(futures, batch.result()):
-                    f.set_result(sample)
+                for k, sample in enumerate(batch.result()):
+                    one(k, sample)
 
-        self._lt.submit(self.client.generate(requests)).add_done_callback(fan_out)
+        self._lt.submit(self.client.generate(requests, on_sample=one)).add_done_callback(fan_out)
         return futures
 
     def abort(self, rid: str | None = None) -> None:

@@ -11,6 +11,7 @@ cache flush), so the trainer never materialises the whole model.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -43,13 +44,26 @@ def rank_devices(tp_size: int) -> list[torch.device]:
     return [torch.device("cpu")] * tp_size
 
 
+@contextmanager
+def _update(engine) -> Iterator[dict[str, bool]]:
+    """Around a bucketed update: in interrupt mode the first bucket aborts everything in flight and new sends
+    wait until the last bucket is in (so no sample sees half an update)."""
+    engine._lt.run(engine.client.begin_update())
+    try:
+        yield engine.client.interrupts.payload()
+    finally:
+        engine._lt.run(engine.client.end_update())
+
+
 def send_ipc(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
     devices = rank_devices(engine.tp_size)
-    for bucket, last in with_last(bucket_named_tensors(named_tensors, engine.bucket_bytes)):
-        payloads, _alive = serialize_per_rank(bucket, devices)  # copies live until every worker answered
-        payload = tensor_update_payload(payloads, version if last else None, flush_cache=last)
-        for url in engine.cfg.worker_urls:
-            engine._lt.run(engine.client.update_weights_from_tensor(url, payload))
+    with _update(engine) as first:
+        for bucket, last in with_last(bucket_named_tensors(named_tensors, engine.bucket_bytes)):
+            payloads, _alive = serialize_per_rank(bucket, devices)  # copies live until every worker answered
+            payload = {**tensor_update_payload(payloads, version if last else None, flush_cache=last), **first}
+            first = {}
+            for url in engine.cfg.worker_urls:
+                engine._lt.run(engine.client.update_weights_from_tensor(url, payload))
     engine.client.weight_version = int(version)
 
 
@@ -87,10 +101,12 @@ def broadcast(
     if group_name not in engine.groups:
         raise RuntimeError(f"no weight-update group {group_name!r}: call init_weights_update_group() first")
     group = engine.groups[group_name]
-    for bucket, last in with_last(bucket_named_tensors(named_tensors, engine.bucket_bytes)):
-        payload = distributed_update_payload(bucket, group_name, version if last else None, flush_cache=last)
-        fut = engine._lt.submit(engine.client.update_weights_from_distributed(payload))
-        for _, t in bucket:
-            dist.broadcast(t.contiguous(), src=0, group=group)
-        fut.result()
+    with _update(engine) as first:
+        for bucket, last in with_last(bucket_named_tensors(named_tensors, engine.bucket_bytes)):
+            payload = distributed_update_payload(bucket, group_name, version if last else None, flush_cache=last)
+            payload, first = {**payload, **first}, {}
+            fut = engine._lt.submit(engine.client.update_weights_from_distributed(payload))
+            for _, t in bucket:
+                dist.broadcast(t.contiguous(), src=0, group=group)
+            fut.result()
     engine.client.weight_version = int(version)
