@@ -22,7 +22,7 @@ class OptimSettings:
     warmup_steps: int = 0
     decay_style: str = "constant"   # constant | linear | cosine (from lr to min_lr over trainer.steps)
     use_distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks (Megatron)
-    bf16_stochastic_rounding: bool = True  # bf16: masters -> bf16 weights rounded stochastically (no dead zone)
+    bf16_stochastic_rounding: bool = False  # bf16: masters -> bf16 weights rounded stochastically (no dead zone)
 
     def __post_init__(self) -> None:
         positive("optim.lr", self.lr)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from mcore_rl.config.optim import OptimSettings
@@ -121,10 +123,13 @@ def build_optimizer(model, build: BuildConfig, optim: OptimSettings, decay_steps
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
-    if optim.bf16_stochastic_rounding:
+    if build.dtype == "bf16":
         from mcore_rl.policy.stochastic_round import enable_bf16_stochastic_rounding
 
-        enable_bf16_stochastic_rounding(optimizer, seed, lambda: scheduler.num_steps)
+        sr = optim.bf16_stochastic_rounding and enable_bf16_stochastic_rounding(
+            optimizer, seed, lambda: scheduler.num_steps) > 0
+        logging.getLogger("mcore_rl").warning(
+            "bf16 master -> model weight copy: %s", "stochastic rounding" if sr else "round-to-nearest")
     return optimizer, scheduler
 
 

@@ -149,7 +149,7 @@ def test_cli_trains_tiny_in_bf16_with_auto_choice_logged(tmp_path):
             "trainer.export_hf=false", "logging.plot=false", "trainer.steps=2"]
     for dt in ("bf16", "auto"):
         run_dir = tmp_path / dt
-        extra = ["model.lm_head_fp32=true"] if dt == "bf16" else []
+        extra = ["model.lm_head_fp32=true", "optim.bf16_stochastic_rounding=true"] if dt == "bf16" else []
         proc = subprocess.run([*base, f"model.dtype={dt}", f"run.dir={run_dir}", *extra], capture_output=True,
                               text=True, timeout=300, env=env, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -161,5 +161,9 @@ def test_cli_trains_tiny_in_bf16_with_auto_choice_logged(tmp_path):
         if dt == "auto":
             assert "model.dtype=auto -> " in proc.stderr and "GFLOP/s" in proc.stderr
             assert ("dtype: bf16" in recorded) or ("dtype: fp32" in recorded)
+            if "dtype: bf16" in recorded:  # the default: Megatron's round-to-nearest copy
+                assert "bf16 master -> model weight copy: round-to-nearest" in proc.stderr
         else:
             assert "dtype: bf16" in recorded and "lm_head_fp32: true" in recorded
+            assert "bf16_stochastic_rounding: true" in recorded  # policy/stochastic_round.py
+            assert "bf16 master -> model weight copy: stochastic rounding" in proc.stderr
