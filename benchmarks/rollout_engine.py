@@ -1,9 +1,12 @@
 """Local rollout engine vs plain `transformers.generate`, same model, prompts and sampling, side by side.
 
     python benchmarks/rollout_engine.py [--prompts 16] [--new-tokens 48] [--temperature 0.7] [--repeats 2]
+    python benchmarks/rollout_engine.py --compare-decode --dtype bfloat16 --prompts 32 --ignore-eos
 
 Runs are interleaved (HF, engine, HF, engine, ...) so machine noise hits both alike; prints tokens/s of each
 run, the best of each, and their ratio. Tokens counted: generated tokens up to and including EOS.
+`--compare-decode`: instead of HF, the engine's plain decode path (SDPA, boolean-indexed sampling) against its
+fast one (decode_attention.py, index-free sampling), same engine and weights, switched between runs.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ def main() -> None:
         "--ignore-eos", action="store_true", help="fixed-length outputs: raw per-step speed, no early exits"
     )
     ap.add_argument("--dtype", default="float32", help="engine (and HF) dtype: float32 | bfloat16")
+    ap.add_argument(
+        "--compare-decode", action="store_true", help="engine plain vs fast decode path instead of HF vs engine"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,25 +113,33 @@ def main() -> None:
         f"threads={torch.get_num_threads()} ignore_eos={args.ignore_eos} dtype={args.dtype}"
     )
 
-    # warm-up (allocators, kernels) for both, not timed
-    run_hf(model, tokenizer, prompts[:2], 4, args.temperature, eos, args.ignore_eos)
-    run_engine(engine, prompts[:2], 4, args.temperature, args.ignore_eos)
+    def timed(name: str) -> int:
+        if name == "hf_generate":
+            return run_hf(model, tokenizer, prompts, args.new_tokens, args.temperature, eos, args.ignore_eos)
+        engine.set_fast_decode(None if name == "engine_fast" else False)
+        return run_engine(engine, prompts, args.new_tokens, args.temperature, args.ignore_eos)
 
-    rates: dict[str, list[float]] = {"hf_generate": [], "local_engine": []}
+    names = ("engine_plain", "engine_fast") if args.compare_decode else ("hf_generate", "engine_fast")
+    # warm-up (allocators, kernels) for both, not timed
+    for name in names:
+        if name == "hf_generate":
+            run_hf(model, tokenizer, prompts[:2], 4, args.temperature, eos, args.ignore_eos)
+        else:
+            engine.set_fast_decode(None if name == "engine_fast" else False)
+            run_engine(engine, prompts[:2], 4, args.temperature, args.ignore_eos)
+
+    rates: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.repeats):
-        for name in ("hf_generate", "local_engine"):
+        for name in names:
             t0 = time.perf_counter()
-            if name == "hf_generate":
-                n = run_hf(model, tokenizer, prompts, args.new_tokens, args.temperature, eos, args.ignore_eos)
-            else:
-                n = run_engine(engine, prompts, args.new_tokens, args.temperature, args.ignore_eos)
+            n = timed(name)
             dt = time.perf_counter() - t0
             rates[name].append(n / dt)
             print(f"  run {r} {name:13s} {n:5d} tokens in {dt:6.2f} s = {n / dt:7.1f} tok/s")
-    hf, eng = max(rates["hf_generate"]), max(rates["local_engine"])
-    print(f"hf_generate   best {hf:7.1f} tok/s  (median {statistics.median(rates['hf_generate']):.1f})")
-    print(f"local_engine  best {eng:7.1f} tok/s  (median {statistics.median(rates['local_engine']):.1f})")
-    print(f"ratio local_engine / hf_generate = {eng / hf:.2f}x")
+    best = {name: max(v) for name, v in rates.items()}
+    for name in names:
+        print(f"{name:13s} best {best[name]:7.1f} tok/s  (median {statistics.median(rates[name]):.1f})")
+    print(f"ratio {names[1]} / {names[0]} = {best[names[1]] / best[names[0]]:.2f}x  (load {os.getloadavg()[0]:.2f})")
     engine.close()
 
 

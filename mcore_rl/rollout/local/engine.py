@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.rollout.local import decode_attention
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
 from mcore_rl.rollout.local.kv_cache import check_full_attention
 from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample
@@ -65,6 +66,7 @@ class LocalEngine:
         seed: int = 0,
         weight_version: int = 0,
         return_text: bool = True,
+        fast_decode: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -107,10 +109,24 @@ class LocalEngine:
         self._wake = False
         # worker-owned batch state
         self._model_lock = threading.RLock()
+        self.set_fast_decode(fast_decode)
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
+
+    def set_fast_decode(self, enabled: bool | None = None) -> None:
+        """The profiled decode path (docs/performance.md): index-free sampling (bitwise the same tokens and
+        log-probs) and, in bf16/fp16, single-query attention as two matmuls (decode_attention.py). None: on, with
+        fp32 keeping transformers' SDPA (its outputs stay bitwise as before). False: the plain path, for
+        side-by-side benchmarks. Takes effect between decode steps."""
+        fp32 = self.model.dtype == torch.float32
+        attention = (not fp32) if enabled is None else bool(enabled)
+        with self._model_lock:
+            self._index_free = enabled is not False
+            self.model.set_attn_implementation(decode_attention.register() if attention else "sdpa")
+        log.info("local engine (%s): decode attention %s, index-free sampling %s", self.model.dtype,
+                 self.model.config._attn_implementation, self._index_free)
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -320,7 +336,7 @@ class LocalEngine:
             [s.top_k for s in sps],
             [r.generator for r in rows],
         )
-        tokens, logprobs = sample_next(logits, params)
+        tokens, logprobs = sample_next(logits, params, index_free=self._index_free)
         version = self._version
         for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             row.out.append(tok)
