@@ -5,8 +5,8 @@
 
 Runs are interleaved (HF, engine, HF, engine, ...) so machine noise hits both alike; prints tokens/s of each
 run, the best of each, and their ratio. Tokens counted: generated tokens up to and including EOS.
-`--compare-decode`: instead of HF, the engine's plain decode path (SDPA, boolean-indexed sampling) against its
-fast one (decode_attention.py, index-free sampling), same engine and weights, switched between runs.
+`--compare-decode`: instead of HF, the engine's plain decode path (SDPA per head, boolean-indexed sampling) against
+its fast one (GQA-packed decode_attention.py, index-free sampling), same engine and weights, switched between runs.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     def timed(name: str) -> int:
         if name == "hf_generate":
             return run_hf(model, tokenizer, prompts, args.new_tokens, args.temperature, eos, args.ignore_eos)
-        engine.set_fast_decode(None if name == "engine_fast" else False)
+        engine.set_fast_decode(name == "engine_fast")
         return run_engine(engine, prompts, args.new_tokens, args.temperature, args.ignore_eos)
 
     names = ("engine_plain", "engine_fast") if args.compare_decode else ("hf_generate", "engine_fast")
@@ -125,21 +125,29 @@ def main() -> None:
         if name == "hf_generate":
             run_hf(model, tokenizer, prompts[:2], 4, args.temperature, eos, args.ignore_eos)
         else:
-            engine.set_fast_decode(None if name == "engine_fast" else False)
+            engine.set_fast_decode(name == "engine_fast")
             run_engine(engine, prompts[:2], 4, args.temperature, args.ignore_eos)
 
+    # wall-clock tokens/s, and tokens per CPU-second of this process: on a shared machine the second one is the
+    # steadier measure of the work a variant does (with --threads 1 it excludes time spent waiting for a core)
     rates: dict[str, list[float]] = {name: [] for name in names}
+    cpu_rates: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.repeats):
         for name in names:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             n = timed(name)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             rates[name].append(n / dt)
-            print(f"  run {r} {name:13s} {n:5d} tokens in {dt:6.2f} s = {n / dt:7.1f} tok/s")
-    best = {name: max(v) for name, v in rates.items()}
-    for name in names:
-        print(f"{name:13s} best {best[name]:7.1f} tok/s  (median {statistics.median(rates[name]):.1f})")
-    print(f"ratio {names[1]} / {names[0]} = {best[names[1]] / best[names[0]]:.2f}x  (load {os.getloadavg()[0]:.2f})")
+            cpu_rates[name].append(n / dc)
+            print(f"  run {r} {name:13s} {n:5d} tokens in {dt:6.2f} s = {n / dt:7.1f} tok/s  ({n / dc:7.1f} tok/cpu-s)")
+    a, b = names
+    for label, table in (("tok/s", rates), ("tok/cpu-s", cpu_rates)):
+        best = {name: max(v) for name, v in table.items()}
+        med = {name: statistics.median(v) for name, v in table.items()}
+        for name in names:
+            print(f"{name:13s} best {best[name]:7.1f} {label}  (median {med[name]:.1f})")
+        print(f"ratio {b} / {a} in {label}: {best[b] / best[a]:.2f}x best, {med[b] / med[a]:.2f}x median")
+    print(f"load average {os.getloadavg()[0]:.2f} (machine: {os.cpu_count()} cores)")
     engine.close()
 
 

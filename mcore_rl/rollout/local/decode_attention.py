@@ -1,18 +1,20 @@
-"""Decode-step attention for the local engine in bf16 / fp16: one query token against the KV cache, as two matmuls.
+"""Decode-step attention for the local engine: one query token per row against the KV cache, GQA packed.
 
-Why: for a single query token PyTorch's CPU SDPA runs its flash kernel (blocked for long queries) and, profiled on
-the engine's bf16 decode step (SmolLM2, 32 rows, ~100 cached tokens), took ~20% of the step (~0.9 ms per layer
-call, 1 thread), against ~0.1 ms for the same maths as `q @ k^T -> softmax -> @ v` with the query heads grouped
-onto their KV head (GQA without repeating K/V). Prefill (more than one query token) keeps transformers' SDPA.
-
-Scores and softmax are in fp32, probabilities rounded once to the cache dtype for the value matmul. fp32 models
-never use this (the engine keeps `sdpa` there, so fp32 outputs stay bitwise as before). Registered under NAME with
-transformers' AttentionInterface (and SDPA's mask format), so the model's own attention module calls it.
+Why: transformers' SDPA path hands PyTorch's CPU flash kernel one query row per attention head (enable_gqa), and
+for a single query token that kernel's per-(row, head) overhead dominates: profiled on the engine's bf16 decode
+step (SmolLM2, 32 rows, 9 query / 3 KV heads, ~100 cached tokens, 1 thread) ~2.3 ms of CPU per layer call, against
+~0.4 ms when the 3 query heads that share a KV head are passed as 3 query rows of one KV head (transformers'
+`pack_gqa` idea). Same kernel and maths, no K/V repeat or copy (a plain `q @ k^T` would copy the cache views:
+CPU bmm wants contiguous batches, and the cache is a slice of a growing buffer). Measured bitwise equal to the
+SDPA path in fp32 and bf16 (tests/rollout/test_engine_bf16.py), so it is on for every dtype. Prefill (more than one
+query token) keeps transformers' SDPA. Registered under NAME with transformers' AttentionInterface (and SDPA's
+mask format), so the model's own attention modules call it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 NAME = "mcore_rl_decode"
 
@@ -36,17 +38,11 @@ def decode_attention(
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    scale = scaling if scaling is not None else dim**-0.5
     q = query.reshape(b, kv_heads, heads // kv_heads, dim)  # query head i reads KV head i // group (repeat_kv)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scale)  # [b, kv_heads, group, kv_len]
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, : key.shape[2]]  # [b, 1, 1, kv_len]
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, float("-inf"))
-        else:
-            scores.add_(mask.float())
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [b, kv_heads, group, dim]
+    mask = None if attention_mask is None else attention_mask[:, :, -1:, : key.shape[2]]  # [b, 1, 1, kv_len]
+    # the group's query heads stand in SDPA's query-length slot: one [group, kv_len] score block per KV head;
+    # never is_causal (those rows are heads, not positions). Same kernel, same maths, no K/V repeat or copy.
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [b, kv_heads, group, dim]
     return out.reshape(b, 1, heads, dim), None
 
 

@@ -66,7 +66,7 @@ class LocalEngine:
         seed: int = 0,
         weight_version: int = 0,
         return_text: bool = True,
-        fast_decode: bool | None = None,
+        fast_decode: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,16 +115,13 @@ class LocalEngine:
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
 
-    def set_fast_decode(self, enabled: bool | None = None) -> None:
-        """The profiled decode path (docs/performance.md): index-free sampling (bitwise the same tokens and
-        log-probs) and, in bf16/fp16, single-query attention as two matmuls (decode_attention.py). None: on, with
-        fp32 keeping transformers' SDPA (its outputs stay bitwise as before). False: the plain path, for
-        side-by-side benchmarks. Takes effect between decode steps."""
-        fp32 = self.model.dtype == torch.float32
-        attention = (not fp32) if enabled is None else bool(enabled)
+    def set_fast_decode(self, enabled: bool = True) -> None:
+        """The profiled decode path (docs/performance.md): GQA-packed single-query attention (decode_attention.py)
+        and index-free sampling; both give bitwise the outputs of the plain path. False: the plain path (SDPA per
+        head, boolean-indexed sampling), kept for side-by-side benchmarks. Takes effect between decode steps."""
         with self._model_lock:
-            self._index_free = enabled is not False
-            self.model.set_attn_implementation(decode_attention.register() if attention else "sdpa")
+            self._index_free = bool(enabled)
+            self.model.set_attn_implementation(decode_attention.register() if enabled else "sdpa")
         log.info("local engine (%s): decode attention %s, index-free sampling %s", self.model.dtype,
                  self.model.config._attn_implementation, self._index_free)
 
