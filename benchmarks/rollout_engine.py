@@ -5,8 +5,8 @@
 
 Runs are interleaved (HF, engine, HF, engine, ...) so machine noise hits both alike; prints tokens/s of each
 run, the best of each, and their ratio. Tokens counted: generated tokens up to and including EOS.
-`--compare-decode`: instead of HF, the engine's plain decode path (SDPA per head, boolean-indexed sampling) against
-its fast one (GQA-packed decode_attention.py, index-free sampling), same engine and weights, switched between runs.
+`--compare-decode`: instead of HF, the engine's plain sampling path (boolean-indexed [B, V] copies) against the
+index-free one (token_sampler.py), same engine and weights, switched between runs.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.rollout.local import decode_attention
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
 from mcore_rl.rollout.local.kv_cache import check_full_attention
 from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample
@@ -116,14 +115,10 @@ class LocalEngine:
         self._worker.start()
 
     def set_fast_decode(self, enabled: bool = True) -> None:
-        """The profiled decode path (docs/performance.md): GQA-packed single-query attention (decode_attention.py)
-        and index-free sampling; both give bitwise the outputs of the plain path. False: the plain path (SDPA per
-        head, boolean-indexed sampling), kept for side-by-side benchmarks. Takes effect between decode steps."""
+        """Index-free sampling (token_sampler.py; bitwise the same tokens and log-probs). False: the plain
+        boolean-indexed path, kept for the side-by-side benchmark. Takes effect between decode steps."""
         with self._model_lock:
             self._index_free = bool(enabled)
-            self.model.set_attn_implementation(decode_attention.register() if enabled else "sdpa")
-        log.info("local engine (%s): decode attention %s, index-free sampling %s", self.model.dtype,
-                 self.model.config._attn_implementation, self._index_free)
 
     # ------------------------------------------------------------------ protocol
     @property
