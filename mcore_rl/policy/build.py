@@ -84,7 +84,6 @@ def build_gpt_model(
 
     fused_ops.set_compile(build.compile)  # also RoPE (compat/rope.py) and the log-softmax (policy/logprobs.py)
     if (config.bf16 or config.fp16) and impl == "local":
-
         # compiled RMSNorm / SwiGLU (RoPE and the log-softmax follow the dtype by themselves); fp32 stays eager
         model.fused_ops = fused_ops.fuse_model(model)
     if torch.cuda.is_available():
