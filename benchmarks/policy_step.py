@@ -63,9 +63,9 @@ def measure(torch, a, folder: str, name: str, device: str) -> dict:
 
     n_tok = a.batch * a.seq
     # "bf16-eager": bf16 with the compiled element-wise ops off (models/fused_ops.py), for the side-by-side gain
-    os.environ["MCORE_RL_COMPILE"] = "0" if name.endswith("-eager") else "1"
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[name.removesuffix("-eager")]
-    policy = Policy(folder, PolicyConfig(build=BuildConfig(dtype=name.removesuffix("-eager")), token_budget=n_tok))
+    build = BuildConfig(dtype=name.removesuffix("-eager"), compile=not name.endswith("-eager"))
+    policy = Policy(folder, PolicyConfig(build=build, token_budget=n_tok))
     policy.load_hf(folder)
     args = policy.args
     tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))

@@ -1,9 +1,12 @@
 """Local rollout engine vs plain `transformers.generate`, same model, prompts and sampling, side by side.
 
     python benchmarks/rollout_engine.py [--prompts 16] [--new-tokens 48] [--temperature 0.7] [--repeats 2]
+    python benchmarks/rollout_engine.py --compare-decode --dtype bfloat16 --prompts 32 --ignore-eos
 
 Runs are interleaved (HF, engine, HF, engine, ...) so machine noise hits both alike; prints tokens/s of each
 run, the best of each, and their ratio. Tokens counted: generated tokens up to and including EOS.
+`--compare-decode`: instead of HF, the engine's plain sampling path (boolean-indexed [B, V] copies) against the
+index-free one (token_sampler.py), same engine and weights, switched between runs.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ def main() -> None:
         "--ignore-eos", action="store_true", help="fixed-length outputs: raw per-step speed, no early exits"
     )
     ap.add_argument("--dtype", default="float32", help="engine (and HF) dtype: float32 | bfloat16")
+    ap.add_argument(
+        "--compare-decode", action="store_true", help="engine plain vs fast decode path instead of HF vs engine"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,25 +113,41 @@ def main() -> None:
         f"threads={torch.get_num_threads()} ignore_eos={args.ignore_eos} dtype={args.dtype}"
     )
 
-    # warm-up (allocators, kernels) for both, not timed
-    run_hf(model, tokenizer, prompts[:2], 4, args.temperature, eos, args.ignore_eos)
-    run_engine(engine, prompts[:2], 4, args.temperature, args.ignore_eos)
+    def timed(name: str) -> int:
+        if name == "hf_generate":
+            return run_hf(model, tokenizer, prompts, args.new_tokens, args.temperature, eos, args.ignore_eos)
+        engine.set_fast_decode(name == "engine_fast")
+        return run_engine(engine, prompts, args.new_tokens, args.temperature, args.ignore_eos)
 
-    rates: dict[str, list[float]] = {"hf_generate": [], "local_engine": []}
+    names = ("engine_plain", "engine_fast") if args.compare_decode else ("hf_generate", "engine_fast")
+    # warm-up (allocators, kernels) for both, not timed
+    for name in names:
+        if name == "hf_generate":
+            run_hf(model, tokenizer, prompts[:2], 4, args.temperature, eos, args.ignore_eos)
+        else:
+            engine.set_fast_decode(name == "engine_fast")
+            run_engine(engine, prompts[:2], 4, args.temperature, args.ignore_eos)
+
+    # wall-clock tokens/s, and tokens per CPU-second of this process: on a shared machine the second one is the
+    # steadier measure of the work a variant does (with --threads 1 it excludes time spent waiting for a core)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    cpu_rates: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.repeats):
-        for name in ("hf_generate", "local_engine"):
-            t0 = time.perf_counter()
-            if name == "hf_generate":
-                n = run_hf(model, tokenizer, prompts, args.new_tokens, args.temperature, eos, args.ignore_eos)
-            else:
-                n = run_engine(engine, prompts, args.new_tokens, args.temperature, args.ignore_eos)
-            dt = time.perf_counter() - t0
+        for name in names:
+            t0, c0 = time.perf_counter(), time.process_time()
+            n = timed(name)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             rates[name].append(n / dt)
-            print(f"  run {r} {name:13s} {n:5d} tokens in {dt:6.2f} s = {n / dt:7.1f} tok/s")
-    hf, eng = max(rates["hf_generate"]), max(rates["local_engine"])
-    print(f"hf_generate   best {hf:7.1f} tok/s  (median {statistics.median(rates['hf_generate']):.1f})")
-    print(f"local_engine  best {eng:7.1f} tok/s  (median {statistics.median(rates['local_engine']):.1f})")
-    print(f"ratio local_engine / hf_generate = {eng / hf:.2f}x")
+            cpu_rates[name].append(n / dc)
+            print(f"  run {r} {name:13s} {n:5d} tokens in {dt:6.2f} s = {n / dt:7.1f} tok/s  ({n / dc:7.1f} tok/cpu-s)")
+    a, b = names
+    for label, table in (("tok/s", rates), ("tok/cpu-s", cpu_rates)):
+        best = {name: max(v) for name, v in table.items()}
+        med = {name: statistics.median(v) for name, v in table.items()}
+        for name in names:
+            print(f"{name:13s} best {best[name]:7.1f} {label}  (median {med[name]:.1f})")
+        print(f"ratio {b} / {a} in {label}: {best[b] / best[a]:.2f}x best, {med[b] / med[a]:.2f}x median")
+    print(f"load average {os.getloadavg()[0]:.2f} (machine: {os.cpu_count()} cores)")
     engine.close()
 
 

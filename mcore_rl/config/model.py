@@ -59,6 +59,7 @@ class ModelConfig:
     transformer_impl: str = "auto"  # auto (TE when installed + CUDA) | local | transformer_engine
     recompute_activations: bool = False
     lm_head_fp32: bool = False      # bf16: LM head in fp32 (ScaleRL; smaller train/rollout mismatch)
+    compile: bool = True            # bf16/fp16: torch.compile'd element-wise ops in the trainer; false = eager
     load_check: LoadCheckConfig = field(default_factory=LoadCheckConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
     moe: MoeConfig | None = None    # MoE models only (hydra_conf/model/tiny_moe.yaml)

@@ -11,14 +11,14 @@ under dynamo (measured: a whole compiled TransformerLayer splits into many graph
 are dynamic after the first recompile, so token-budget micro-batches of varying length do not recompile.
 
 fp32 models keep Megatron's eager modules untouched (the exactness tests compare them to transformers at
-~1e-5). `MCORE_RL_COMPILE=0` turns the fused path off everywhere (debugging; a machine without a C++ compiler
-falls back to eager by itself, with one warning).
+~1e-5). `model.compile=false` (BuildConfig.compile; `set_compile`) turns the fused path off for the process:
+the model's norms/MLPs, RoPE and the log-softmax all run eager (debugging, or bitwise Megatron in bf16). A machine
+without a C++ compiler needs no switch: it falls back to eager by itself, with one warning.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from types import MethodType
 
@@ -28,10 +28,18 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 _BROKEN: set[str] = set()
+# process-wide like the Megatron RoPE hook it guards (compat/rope.py); set from model.compile by build_gpt_model
+_ENABLED = True
+
+
+def set_compile(enabled: bool) -> None:
+    """model.compile: the compiled element-wise ops (True, the default) or eager PyTorch everywhere (False)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
 
 
 def compile_enabled() -> bool:
-    return os.environ.get("MCORE_RL_COMPILE", "1").lower() not in ("0", "false", "off", "no")
+    return _ENABLED
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -90,12 +98,13 @@ def fuse_model(model: torch.nn.Module) -> dict[str, int]:
     """Route a bf16/fp16 local-spec GPTModel's RMSNorms and SwiGLU MLPs through the compiled functions.
 
     Instance-level forward swaps: parameters, state dicts and checkpoints are unchanged. Returns the counts
-    swapped (logged; tests assert them). No-op for fp32 models or when MCORE_RL_COMPILE=0.
+    swapped (logged; tests assert them). No-op for fp32 models or with model.compile=false.
     """
     from megatron.core.transformer.mlp import MLP
 
     counts = {"rms_norm": 0, "swiglu": 0}
     if not compile_enabled():
+        log.warning("fused_ops: model.compile=false, eager element-wise ops (no modules swapped)")
         return counts
     for m in model.modules():
         if type(m) is torch.nn.RMSNorm and m.elementwise_affine:
@@ -108,4 +117,5 @@ def fuse_model(model: torch.nn.Module) -> dict[str, int]:
                     and not c.use_te_activation_func):
                 m.forward = MethodType(_mlp_forward, m)
                 counts["swiglu"] += 1
+    log.warning("fused_ops: compiled element-wise ops, swapped %s", counts)  # shown by default, as dtype=auto
     return counts

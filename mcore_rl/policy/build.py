@@ -64,11 +64,12 @@ def build_gpt_model(
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
-    if (config.bf16 or config.fp16) and impl == "local":
-        from mcore_rl.models.fused_ops import fuse_model
+    from mcore_rl.models import fused_ops
 
+    fused_ops.set_compile(build.compile)  # also RoPE (compat/rope.py) and the log-softmax (policy/logprobs.py)
+    if (config.bf16 or config.fp16) and impl == "local":
         # compiled RMSNorm / SwiGLU (RoPE and the log-softmax follow the dtype by themselves); fp32 stays eager
-        model.fused_ops = fuse_model(model)
+        model.fused_ops = fused_ops.fuse_model(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if config.bf16 or config.fp16:

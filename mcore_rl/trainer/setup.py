@@ -35,7 +35,7 @@ def build_config(cfg: DictConfig) -> BuildConfig:
                        sequence_parallel=cfg.parallel.sequence_parallel, fp8=Fp8Config(**m.fp8),
                        recompute_activations=m.recompute_activations, ep=cfg.parallel.ep,
                        moe_aux_loss_coeff=float(m.moe.aux_loss_coeff) if m.moe is not None else 0.0,
-                       lm_head_fp32=m.lm_head_fp32)
+                       lm_head_fp32=m.lm_head_fp32, compile=m.compile)
 
 
 def policy_config(cfg: DictConfig) -> PolicyConfig:

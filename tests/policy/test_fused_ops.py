@@ -72,7 +72,7 @@ def test_compiled_logprobs_equal_fp32_reference(temperature, with_entropy, pad, 
     ref = reference_logprobs(logits.detach().float()[..., :V], targets, temperature)
     assert lp.dtype == torch.float32 and (lp - ref).abs().max() < 1e-4
     g = torch.autograd.grad(lp.sum() + (ent.sum() if ent is not None else 0), logits)[0]
-    monkeypatch.setenv("MCORE_RL_COMPILE", "0")  # the eager path on the same bf16 logits
+    monkeypatch.setattr(fused_ops, "_ENABLED", False)  # model.compile=false: the eager path on the same logits
     lp_e, ent_e = vocab_parallel_logprobs(logits, targets, V, temperature, with_entropy)
     g_e = torch.autograd.grad(lp_e.sum() + (ent_e.sum() if ent_e is not None else 0), logits)[0]
     assert (lp - lp_e).abs().max() < 1e-4

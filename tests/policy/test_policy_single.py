@@ -150,6 +150,7 @@ def test_cached_rope_is_bitwise_megatron_and_computes_cos_once(policy, monkeypat
     from megatron.core.transformer import attention
 
     from mcore_rl.compat import rope
+    from mcore_rl.models import fused_ops
 
     assert attention.apply_rotary_pos_emb.__wrapped__ is not None  # installed by the local layer spec
     cfg = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
@@ -170,7 +171,7 @@ def test_cached_rope_is_bitwise_megatron_and_computes_cos_once(policy, monkeypat
             exact = attention.apply_rotary_pos_emb.__wrapped__(t.float(), freqs, cfg, cp_group=object())
             err, err_megatron = (out.float() - exact).abs().max(), (megatron.float() - exact).abs().max()
             assert err <= err_megatron + 2**-8 * exact.abs().max()
-    monkeypatch.setenv("MCORE_RL_COMPILE", "0")  # off: bitwise Megatron in bf16 as well
+    monkeypatch.setattr(fused_ops, "_ENABLED", False)  # model.compile=false: bitwise Megatron in bf16 as well
     t = inputs[-1]
     assert torch.equal(attention.apply_rotary_pos_emb(t, freqs, cfg),
                        attention.apply_rotary_pos_emb.__wrapped__(t, freqs, cfg, cp_group=object()))

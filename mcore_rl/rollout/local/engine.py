@@ -9,7 +9,6 @@ weight version that produced it.
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import logging
 import random
@@ -22,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from mcore_rl.models.transformers_layout import expert_view
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
 from mcore_rl.rollout.local.kv_cache import check_full_attention
+from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample
 from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
+from mcore_rl.rollout.local.weights import load_named_tensors
 from mcore_rl.rollout.protocol import (
     PAUSE_MODES,
     GenerationRequest,
@@ -33,7 +33,6 @@ from mcore_rl.rollout.protocol import (
     Sample,
     expand_requests,
     register_engine,
-    sample_seed,
 )
 from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
@@ -43,55 +42,12 @@ _DTYPE_ALIASES = {"auto": "float32", "fp32": "float32", "bf16": "bfloat16", "fp1
 
 
 @dataclass
-class _Row:
-    """One sample being generated; owned by the worker thread once admitted."""
-
-    req: GenerationRequest
-    index: int
-    future: Future
-    generator: torch.Generator
-    seed: int  # the generator's seed: an interrupted row restarts from its prompt with the same draws
-    stop_ids: frozenset[int]
-    max_len: int  # model context limit
-    out: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    abort_requested: bool = False
-    finish: str | None = None
-    matched: int | str | None = None
-
-
-@dataclass
 class EngineStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=100_000))  # rows per decode step
     regenerated: int = 0  # samples restarted from their prompt by a weight update (interrupt mode)
-
-
-def load_named_tensors(
-    params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]
-) -> int:
-    """Copy tensors into `params` (HF name -> live tensor) in place; error names the offending tensor."""
-    count = 0
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            target = params.get(name)
-            if target is None:  # MoE: a per-expert checkpoint name lands in a fused in-memory parameter
-                target = expert_view(params, name)
-            if target is None:
-                close = difflib.get_close_matches(name, list(params), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise KeyError(f"update_weights: unknown tensor name {name!r}{hint}")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"update_weights: shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
-                    f"model has {tuple(target.shape)}"
-                )
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            count += 1
-    return count
 
 
 @register_engine("local")
@@ -109,6 +65,7 @@ class LocalEngine:
         seed: int = 0,
         weight_version: int = 0,
         return_text: bool = True,
+        fast_decode: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,7 +91,7 @@ class LocalEngine:
         text_config = self.model.config.get_text_config(decoder=True)
         num_layers, self._vocab = text_config.num_hidden_layers, text_config.vocab_size
         self._max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        self._eos = self._eos_ids()
+        self._eos = eos_ids(self.model)
         self.max_batch_size = int(max_batch_size)
         self.return_text = return_text
         self._seed_rng = random.Random(seed)
@@ -143,18 +100,25 @@ class LocalEngine:
         self.stats = EngineStats()
         # shared state, guarded by _cv
         self._cv = threading.Condition()
-        self._pending: deque[_Row] = deque()
-        self._admitting: list[_Row] = []
+        self._pending: deque[Row] = deque()
+        self._admitting: list[Row] = []
         self._paused = False
         self._released = False
         self._closing = False
         self._wake = False
         # worker-owned batch state
         self._model_lock = threading.RLock()
+        self.set_fast_decode(fast_decode)
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
+
+    def set_fast_decode(self, enabled: bool = True) -> None:
+        """Index-free sampling (token_sampler.py; bitwise the same tokens and log-probs). False: the plain
+        boolean-indexed path, kept for the side-by-side benchmark. Takes effect between decode steps."""
+        with self._model_lock:
+            self._index_free = bool(enabled)
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -225,8 +189,7 @@ class LocalEngine:
         """Caller holds _model_lock (no decode step runs): rows with tokens go back to the queue's front."""
         rows = [r for r in self._batch.rows if r.finish is None]
         for row in rows:
-            row.out, row.logprobs, row.versions = [], [], []
-            row.generator = torch.Generator().manual_seed(row.seed)
+            row.restart()
         self._batch.reset()
         with self._cv:
             self._pending.extendleft(reversed(rows))
@@ -288,66 +251,13 @@ class LocalEngine:
     def paused(self) -> bool:
         return self._paused
 
-    # ------------------------------------------------------------------ rows
-    def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for src in (self.model.config, getattr(self.model, "generation_config", None)):
-            eos = getattr(src, "eos_token_id", None)
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-        return frozenset(ids)
+    # ------------------------------------------------------------------ rows (rules in rows.py)
+    def _make_row(self, req: GenerationRequest, j: int) -> Row:
+        return make_row(req, j, eos=self._eos, max_len=self._max_len, vocab=self._vocab,
+                        has_tokenizer=self.tokenizer is not None, seed_rng=self._seed_rng, model_path=self.model_path)
 
-    def _make_row(self, req: GenerationRequest, j: int) -> _Row:
-        sp = req.sampling
-        if sp.stop and self.tokenizer is None:
-            raise ValueError(
-                f"request {req.rid!r}: stop strings need a tokenizer, {self.model_path} has none"
-            )
-        if len(req.prompt_ids) >= self._max_len:
-            raise ValueError(
-                f"request {req.rid!r}: prompt of {len(req.prompt_ids)} tokens >= context {self._max_len}"
-            )
-        if max(req.prompt_ids) >= self._vocab or min(req.prompt_ids) < 0:
-            raise ValueError(f"request {req.rid!r}: prompt token id out of range [0, {self._vocab})")
-        seed = sample_seed(sp.seed, j)
-        seed = seed if seed is not None else self._seed_rng.getrandbits(63)
-        gen = torch.Generator().manual_seed(seed)
-        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
-        return _Row(
-            req=req, index=j, future=Future(), generator=gen, seed=seed, stop_ids=stop_ids, max_len=self._max_len
-        )
-
-    def _finish_check(self, row: _Row, token: int) -> None:
-        sp = row.req.sampling
-        if token in row.stop_ids:
-            row.finish, row.matched = "stop", token
-        elif sp.stop:
-            tail = self.tokenizer.decode(row.out[-4 * max(map(len, sp.stop)) - 4 :])
-            hit = next((s for s in sp.stop if s in tail), None)
-            if hit is not None:
-                row.finish, row.matched = "stop", hit
-        if row.finish is None and (
-            len(row.out) >= sp.max_new_tokens or len(row.req.prompt_ids) + len(row.out) >= row.max_len
-        ):
-            row.finish = "length"
-
-    def _to_sample(self, row: _Row) -> Sample:
-        text = None
-        if self.return_text and self.tokenizer is not None:
-            text = self.tokenizer.decode(row.out, skip_special_tokens=True)
-            if isinstance(row.matched, str) and row.matched in text:
-                text = text[: text.index(row.matched)]
-        return Sample(
-            rid=row.req.rid,
-            prompt_ids=list(row.req.prompt_ids),
-            output_ids=row.out,
-            output_logprobs=row.logprobs,
-            weight_versions=row.versions,
-            finish_reason=row.finish or "abort",
-            text=text,
-            matched_stop=row.matched,
-            sample_index=row.index,
-            metadata=dict(row.req.metadata),
-        )
+    def _to_sample(self, row: Row) -> Sample:
+        return to_sample(row, self.tokenizer, self.return_text)
 
     # ------------------------------------------------------------------ worker
     def _loop(self) -> None:
@@ -379,10 +289,10 @@ class LocalEngine:
             return False
         return bool(self._batch.rows or self._pending)
 
-    def _take_pending(self) -> list[_Row]:
+    def _take_pending(self) -> list[Row]:
         """Move queued rows into the batch (FIFO, up to max_batch_size); resolve queued aborts at once."""
-        out: list[_Row] = []
-        keep: deque[_Row] = deque()
+        out: list[Row] = []
+        keep: deque[Row] = deque()
         while self._pending:
             row = self._pending.popleft()
             if row.abort_requested:
@@ -395,7 +305,7 @@ class LocalEngine:
         self._admitting = out
         return out
 
-    def _step(self, admit: list[_Row]) -> None:
+    def _step(self, admit: list[Row]) -> None:
         self._retire()  # aborted rows leave before paying for another step
         batch = self._batch
         if batch.rows and not self._paused:
@@ -410,7 +320,7 @@ class LocalEngine:
             self.stats.prefill_tokens += sum(len(r.req.prompt_ids) for r in admit)
         self._retire()
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
         sps = [r.req.sampling for r in rows]
         params = RowParams.build(
             [s.temperature for s in sps],
@@ -418,13 +328,13 @@ class LocalEngine:
             [s.top_k for s in sps],
             [r.generator for r in rows],
         )
-        tokens, logprobs = sample_next(logits, params)
+        tokens, logprobs = sample_next(logits, params, index_free=self._index_free)
         version = self._version
         for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             row.out.append(tok)
             row.logprobs.append(lp)
             row.versions.append(version)
-            self._finish_check(row, tok)
+            finish_check(row, tok, self.tokenizer)
         return tokens
 
     def _retire(self) -> None:
