@@ -4,12 +4,13 @@ exactly what the new weights alone would have generated from the same seed."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from mcore_rl.rollout.local.engine import LocalEngine
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
 from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
-from tests.rollout.test_local_engine import wait_for
 
 pytestmark = pytest.mark.rollout
 
@@ -20,10 +21,21 @@ def _req(seed: int) -> GenerationRequest:
 
 
 def _mid_sample_update(engine: LocalEngine) -> list:
-    engine.pause("in_place")  # hold decoding so the update lands mid-sample deterministically
+    """Submit two samples and return once the first has 5 tokens, with decoding held there (paused in place by
+    the engine thread itself, right after that step): the update then lands mid-sample whatever the machine's
+    load, where polling from this thread could see the tiny model finish all 40 tokens first."""
+    step, held = engine._step, threading.Event()
+
+    def step_then_hold(admit):
+        step(admit)
+        if not held.is_set() and any(len(r.out) >= 5 for r in engine._batch.rows):
+            with engine._cv:
+                engine._paused = True
+            held.set()
+
+    engine._step = step_then_hold
     futures = engine.submit([_req(1), _req(2)])
-    engine.resume()
-    wait_for(lambda: any(len(r.out) >= 5 for r in engine._batch.rows))
+    assert held.wait(timeout=120)
     return futures
 
 
@@ -33,6 +45,7 @@ def test_update_restarts_in_flight_samples(interrupt, tiny_dir, tiny_alt_dir):
         eng.set_interrupt_on_update(interrupt)
         futures = _mid_sample_update(eng)
         eng.update_weights(iter_safetensors(tiny_alt_dir), version=1)
+        eng.resume()
         samples = [f.result(timeout=120) for f in futures]
         regenerated = eng.stats.regenerated
     first = samples[0]

@@ -101,12 +101,17 @@ def test_update_restarts_samples_in_flight_through_the_router(engine, routed):
     wait(futures, timeout=120)
     got = [f.result() for f in futures]
     regenerated = engine.stats.regenerated - before
-    assert in_flight >= 4 and 1 <= regenerated <= in_flight, (in_flight, regenerated)
-    assert all(s.finish_reason == "length" and s.weight_versions == [1] * 160 for s in got)
+    # on a loaded machine a sample can finish under v0 before the update lands: it stays whole and v0 (not
+    # regenerated); every other sample carries v1 only and equals what v1 alone generates from its seed
+    assert 1 <= regenerated <= in_flight, (in_flight, regenerated)
+    assert all(s.finish_reason == "length" and len(s.weight_versions) == 160 and len(set(s.weight_versions)) == 1
+               for s in got)  # fmt: skip
+    new = [i for i, s in enumerate(got) if s.weight_versions[0] == 1]
+    assert len(new) >= regenerated
     fresh = engine.generate([GenerationRequest(r.prompt_ids, SamplingParams(**{**vars(sp), "n": 2}), rid=f"f{i}")
                              for i, r in enumerate(reqs)])  # fmt: skip
-    assert [s.output_ids for s in got] == [s.output_ids for s in fresh]
-    worst = max(abs(a - b) for s, t in zip(got, fresh) for a, b in zip(s.output_logprobs, t.output_logprobs))
+    assert [got[i].output_ids for i in new] == [fresh[i].output_ids for i in new]
+    worst = max(abs(a - b) for i in new for a, b in zip(got[i].output_logprobs, fresh[i].output_logprobs))
     assert worst < 1e-5
     updates = [p for e, p in RECORDED if e == "/update_weights_from_disk"]
     assert len(updates) == 2 and all(p["abort_all_requests"] is True for p in updates)  # one per worker
@@ -140,7 +145,11 @@ def _train(routed, tmp_path, *overrides: str):
     ))  # fmt: skip
 
 
-@pytest.mark.parametrize("source", ["interrupt", pytest.param("old_logit_model", marks=pytest.mark.slow)])
+# slow: free-running async, so whether a sync lands while a round decodes is timing (a run at load ~20 saw none);
+# the deterministic interrupt checks in the default suite are test_update_restarts_samples_in_flight_through_the_router
+# and test_interrupt_old_logp_exact_on_sglang
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["interrupt", "old_logit_model"])
 def test_async_interrupt_run_through_router(engine, routed, tmp_path, source):
     """(a) A free-running async k=2 run on SGLang with old_logp_source=interrupt: weight syncs land while the
     rounds ahead decode (one sample at a time per worker), the workers abort them and the client regenerates them;
