@@ -1,17 +1,21 @@
-"""Process groups: torchrun env -> torch.distributed (nccl on GPU, gloo on CPU) -> Megatron parallel_state.
+"""Process groups and THE collective layer: torchrun env -> torch.distributed (nccl on GPU, gloo on CPU) -> Megatron.
 
-The ONE place that knows which backend runs and where collective tensors must live. NCCL only moves CUDA
-tensors, gloo only CPU ones, so callers never pick a device themselves: small control values (the stop flag,
-PP-broadcast decisions, DP sums) go through the helpers below, which put them on `collective_device()` for
-model-parallel groups and use a gloo world group (`cpu_group()`) for flags that live on the host.
+Every collective on a tensor in mcore-rl goes through the helpers below (a test scans the package for
+`torch.distributed` collectives called anywhere else). Why one layer: NCCL moves only CUDA tensors and gloo only
+CPU ones, and gloo happily accepts what NCCL refuses, so a CPU test suite cannot see a device bug at a call site.
+Here the device is chosen once, from the group's own backend (`group_device`): the caller's tensor is moved to it,
+reduced/broadcast/gathered there, and handed back on the caller's device. Host-side flags and pickled objects use
+a gloo world group (`cpu_group()`), never a GPU byte tensor.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ class ParallelLayout:
 
 
 _STATE: dict[str, object] = {"device": torch.device("cpu"), "cpu_group": None}
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def collective_device() -> torch.device:
@@ -42,38 +47,117 @@ def cpu_group():
     return _STATE["cpu_group"]
 
 
+def backend_of(group=None) -> str:
+    """The backend name of `group` (None = the default group), e.g. 'gloo', 'nccl' or 'cpu:gloo,cuda:nccl'."""
+    return str(dist.get_backend(group))
+
+
+def cuda_device() -> torch.device:
+    """The CUDA device NCCL collectives of this process use (its current device). Patched in CPU tests."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def group_device(group=None) -> torch.device:
+    """Where a tensor must live for a collective on `group`: the current CUDA device for an NCCL-only group,
+    the CPU for gloo (and for mixed groups, which take CPU tensors through their gloo half)."""
+    backend = backend_of(group)
+    if "nccl" in backend and "gloo" not in backend:
+        return cuda_device()
+    return torch.device("cpu")
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
+
+
+def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """A fresh tensor on `t`'s device holding the reduction of `t` over `group` (`op`: sum, max or min).
+    `t` itself is left untouched, so callers may pass views of tensors they still use."""
+    if not dist.is_initialized():
+        return t.detach().clone()
+    work = t.detach().to(group_device(group), copy=True)
+    dist.all_reduce(work, op=_OPS[op], group=group)
+    return _on(work, t.device)
+
+
+def all_gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's `t` (same shape and dtype on all ranks), in group-rank order, on `t`'s device."""
+    if not dist.is_initialized():
+        return [t]
+    dev = group_device(group)
+    local = _on(t.detach(), dev).contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return [_on(p, t.device) for p in parts]
+
+
+def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """`t` from global rank `src` on every rank of `group`; returned on `t`'s device (and copied into `t`)."""
+    if not dist.is_initialized():
+        return t
+    dev = group_device(group)
+    work = _on(t.detach(), dev).contiguous()
+    dist.broadcast(work, src=src, group=group)
+    if work.data_ptr() != t.data_ptr():
+        t.copy_(work)
+    return t
+
+
+def broadcast_from_group_rank(t: torch.Tensor, group_src: int, group) -> torch.Tensor:
+    """`broadcast` with the source given as a rank inside `group` (for side groups with their own numbering,
+    such as the trainer <-> engine weight-update groups, where the trainer is group rank 0)."""
+    return broadcast(t, dist.get_global_rank(group, group_src) if group is not None else group_src, group)
+
+
+def barrier(group=None) -> None:
+    """All ranks of `group` (default: the gloo world) meet; no-op in a single process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=group if group is not None else cpu_group())
+
+
 def all_ranks_any(flag: bool) -> bool:
     """True on every rank if `flag` is true on any rank (a MAX all-reduce over the gloo world group)."""
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
-    return bool(t.item())
+    return bool(all_reduce(torch.tensor([1.0 if flag else 0.0]), "max", cpu_group()).item())
 
 
 def broadcast_floats(values: list[float], src: int, group=None) -> list[float]:
     """Broadcast a few floats from global rank `src` within `group` (a Megatron group on the main backend)."""
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.broadcast(t, src=src, group=group)
-    return t.tolist()
+    return broadcast(torch.tensor(values, dtype=torch.float64), src, group).tolist()
 
 
-def broadcast_object(obj, src: int = 0):
-    """`obj` from global rank `src` on every rank (pickled); a no-op in a single process."""
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """`obj` from global rank `src` on every rank (pickled, over the gloo world group unless `group` is given);
+    a no-op in a single process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group if group is not None else cpu_group())
     return box[0]
+
+
+def send_object(obj: Any, dst: int) -> None:
+    """Pickle `obj` to global rank `dst` over the gloo world group (host memory; never a GPU byte tensor)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=cpu_group())
+    dist.send(data, dst=dst, group=cpu_group())
+
+
+def recv_object(src: int) -> Any:
+    """The object `send_object` sent from global rank `src`."""
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src=src, group=cpu_group())
+    data = torch.empty(int(n.item()), dtype=torch.uint8)
+    dist.recv(data, src=src, group=cpu_group())
+    return pickle.loads(data.numpy().tobytes())  # noqa: S301 -- our own ranks' bytes
 
 
 def sum_reducer(group=None):
     """SUM all-reduce over `group` that accepts tensors on any device and returns them on the caller's device."""
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
-        out = x.detach().to(collective_device(), copy=True)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out.to(x.device)
+        return all_reduce(x, "sum", group)
 
     return reduce
 
