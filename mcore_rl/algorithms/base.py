@@ -42,6 +42,7 @@ from mcore_rl.algorithms.reduce import Reducer, identity_reduce, stack_sums
 SCHEDULES = ("sync", "staged", "async")
 STALE_POLICIES = ("drop", "requeue")
 OLD_LOGP_SOURCES = ("rollout", "recompute", "snapshot", "old_logit_model", "interrupt")  # mcore_rl/oldlogp/
+EXACT_OLD_LOGP_SOURCES = ("snapshot", "old_logit_model", "interrupt")  # each token scored at its own version
 RENORM_MODES = ("none", "deferred", "microbatch")
 
 

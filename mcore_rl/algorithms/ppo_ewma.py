@@ -1,38 +1,58 @@
 """PPO-EWMA with decoupled train-infer correction (the revised PPO-EWMA of arXiv 2605.12070).
 
-Without an exact pi_old (delayed updates, partial rollouts) the proximal policy pi_prox = pi_{theta_bar} (EWMA
-of past weights, see ewma.py) takes its place, and the ratio pi_theta / pi_infer splits into
-    d_t = pi_prox / pi_infer    training-inference discrepancy  -> Train-Infer Mask  1[ti_low <= d <= ti_high]
-    s_t = pi_theta / pi_prox    policy staleness                -> PPO clip [1 - eps_low, 1 + eps_high]
+The ratio pi_theta / pi_infer splits at the token's behaviour version v into
+    d_t = pi_a / pi_infer    training-inference discrepancy  -> Train-Infer Mask  1[lo <= log d <= hi]
+    s_t = pi_theta / pi_a    policy staleness                -> PPO clip [1 - eps_low, 1 + eps_high]
     l_t = -M_t * min(s_t * A, clip(s_t) * A)    (optionally times min(d_t, ti_tis_max))
-d is taken at `ti_level` (token | sequence | geometric). The grid in the paper (eps ~ 1.002-1.006) suggests tight
-geometric bounds, hence the defaults [0.995, 1.005]; both the level and the bounds are unknown, so configurable.
+with the anchor pi_a picked by `old_logp_source` (two routes):
+- exact (snapshot | old_logit_model | interrupt): pi_a = pi_old, the trainer at version v. d compares like with
+  like (same weights, engine vs trainer), so the tight TI bounds hold at any staleness; s carries all of it.
+  No EWMA weights exist (needs_prox_logp is False), so EWMA keys set with these sources are refused.
+- ewma (rollout | recompute: pi_old missing or approximate): pi_a = pi_prox = pi_theta_bar.
+  log d = log(pi_prox / pi_v) + log(pi_v / pi_infer) = drift + TI. theta_bar has mean age a steps (ewma.py) and
+  a token lags at most L steps (lag_steps), so |theta_bar - v| <= a + L steps; PPO's clip bounds one step's
+  move by log(1 + eps_high) up, log(1 - eps_low) down. The gate is the TI bounds widened by (a + L) of those:
+  it only drops what staleness cannot explain. Tight TI gating needs exact old logits.
+- Reset (theta_bar <- theta, ewma route only): it sets a = 0 but replaces drift(theta_bar, v) by
+  drift(theta, v), L steps: it helps the gate only when theta is closer to v than theta_bar is (measured: the
+  keep-rate under theta, gate widened by L only, beats the step's), never under async with a < L. What a reset
+  always does is set s = 1: it revives an anchor so far behind theta that the clip starves the gradient. So it
+  fires on clip fraction >= reset_clip_frac, or on keep-rate < reset_keep_rate when theta would keep more.
 
-objective=original is Hilton et al.'s PPO-EWMA: -(pi_prox / pi_behav) * min(s A, clip(s) A), with the behaviour
+objective=original is Hilton et al.'s PPO-EWMA: -(pi_a / pi_behav) * min(s A, clip(s) A), with the behaviour
 log-prob floored at logp_theta - log(imp_samp_max) so the weight is at most imp_samp_max.
-
-Automatic reset: when the global Train-Infer keep-rate of a step falls below `reset_keep_rate`, the
-after_optimizer_step hook returns reset_ewma=True and the trainer calls EwmaWeights.reset(params).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from mcore_rl.algorithms.base import Algorithm, AlgorithmConfig, PolicyTerms, StepDecision, TokenBatch
+from mcore_rl.algorithms.base import (
+    EXACT_OLD_LOGP_SOURCES,
+    Algorithm,
+    AlgorithmConfig,
+    PolicyTerms,
+    StepDecision,
+    TokenBatch,
+)
 from mcore_rl.algorithms.correction import LEVELS, check_choice, level_log_ratio
-from mcore_rl.algorithms.ewma import EwmaWeights
+from mcore_rl.algorithms.ewma import EwmaWeights, ewma_step
 from mcore_rl.algorithms.grpo import ppo_clip_loss
 from mcore_rl.algorithms.ops import log_ratio, masked_mean
 from mcore_rl.algorithms.reduce import Reducer
 from mcore_rl.algorithms.registry import register_algorithm
 
 OBJECTIVES = ("decoupled", "original")
+# ewma-route keys: null = this default; set with an exact source they are refused (no EWMA exists)
+EWMA_DEFAULTS = {"ewma_beta": 0.75, "auto_reset": True, "reset_keep_rate": 0.5, "reset_clip_frac": 0.5}
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
 
 
 @dataclass
@@ -41,66 +61,110 @@ class PpoEwmaConfig(AlgorithmConfig):
     schedule: str = "sync"             # the loss is the same sync or async (max_staleness applies to async)
     updates_per_rollout: int = 4
     max_staleness: int = 2
-    old_logp_source: str = "rollout"   # pi_old is replaced by the EWMA proximal policy
+    old_logp_source: str = "rollout"   # rollout|recompute: EWMA proximal anchor | snapshot|old_logit_model|
+    #                                    interrupt: exact pi_old anchor, no EWMA
     loss_agg_mode: str = "token-mean"
-    ewma_beta: float = 0.75            # studied: 0.4, 0.5, 0.75
     objective: str = "decoupled"       # decoupled | original
-    eps_low: float = 0.2               # staleness clip of s = pi_theta / pi_prox
+    eps_low: float = 0.2               # staleness clip of s = pi_theta / pi_anchor
     eps_high: float = 0.2
     dual_clip_c: float | None = None
     ti_level: str = "geometric"        # token | sequence | geometric
-    ti_low: float = 0.995              # Train-Infer Mask keeps low <= d <= high
-    ti_high: float = 1.005
+    ti_low: float = 0.995              # Train-Infer Mask keeps low <= d <= high (at the same version; the ewma
+    ti_high: float = 1.005             # route widens it by the staleness the clip allows)
     ti_tis_max: float | None = None    # optional: also multiply by min(d, ti_tis_max)
-    imp_samp_max: float = 100.0        # objective=original: cap of pi_prox / pi_behav
-    auto_reset: bool = True
-    reset_keep_rate: float = 0.5       # reset the EWMA when the step's keep-rate drops below this (unknown)
+    imp_samp_max: float = 100.0        # objective=original: cap of pi_anchor / pi_behav
+    # --- ewma route only (null = EWMA_DEFAULTS) ---
+    ewma_beta: float | None = None     # studied: 0.4, 0.5, 0.75
+    auto_reset: bool | None = None
+    reset_keep_rate: float | None = None  # reset when the keep-rate is below this AND theta would keep more
+    reset_clip_frac: float | None = None  # reset when this fraction of tokens is clipped (anchor starves the step)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         owner = f"algorithm {self.name!r}"
         check_choice(owner, "objective", self.objective, OBJECTIVES)
         check_choice(owner, "ti_level", self.ti_level, LEVELS)
-        if not 0.0 <= self.ewma_beta < 1.0:
-            raise ValueError(f"{owner}: ewma_beta must be in [0, 1), got {self.ewma_beta}")
+        if self.old_logp_source in EXACT_OLD_LOGP_SOURCES:
+            given = [k for k in EWMA_DEFAULTS if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"{owner}: {', '.join(given)} set with old_logp_source={self.old_logp_source}, "
+                                 "whose exact old logits replace the EWMA proximal policy (none is kept); "
+                                 "unset it or use old_logp_source=rollout|recompute")
+        else:
+            for k, v in EWMA_DEFAULTS.items():
+                if getattr(self, k) is None:
+                    setattr(self, k, v)
+            if not 0.0 <= self.ewma_beta < 1.0:
+                raise ValueError(f"{owner}: ewma_beta must be in [0, 1), got {self.ewma_beta}")
+            for k in ("reset_keep_rate", "reset_clip_frac"):
+                if not 0 <= getattr(self, k) <= 1:
+                    raise ValueError(f"{owner}: {k} must be in [0, 1], got {getattr(self, k)}")
+        if not 0 <= self.eps_low <= 1 or self.eps_high < 0:
+            raise ValueError(f"{owner}: need 0 <= eps_low <= 1 and eps_high >= 0, got {self.eps_low}, "
+                             f"{self.eps_high}")
         if not 0 <= self.ti_low <= 1 <= self.ti_high:
             raise ValueError(f"{owner}: need 0 <= ti_low <= 1 <= ti_high, got {self.ti_low}, {self.ti_high}")
-        if not 0 <= self.reset_keep_rate <= 1:
-            raise ValueError(f"{owner}: reset_keep_rate must be in [0, 1], got {self.reset_keep_rate}")
         if self.imp_samp_max <= 1:
             raise ValueError(f"{owner}: imp_samp_max must be > 1, got {self.imp_samp_max}")
+
+    @property
+    def exact(self) -> bool:
+        return self.old_logp_source in EXACT_OLD_LOGP_SOURCES
+
+    @property
+    def lag_steps(self) -> int:
+        """Most optimizer steps a consumed token's version can trail the live weights."""
+        per_round = self.updates_per_stage if self.schedule == "staged" else self.updates_per_rollout
+        rounds = self.max_staleness + 1 if self.schedule == "async" else 1
+        return rounds * per_round - 1
 
 
 @register_algorithm("ppo_ewma")
 class PPOEWMA(Algorithm):
     config_cls = PpoEwmaConfig
     config: PpoEwmaConfig
-    sum_keys = ("ti_kept",)
+    sum_keys = ("ti_kept", "ti_kept_theta", "clip_tok")
 
     def __init__(self, config: PpoEwmaConfig) -> None:
         super().__init__(config)
         self.last_keep_rate: float | None = None
         self.num_resets = 0
+        self.ewma_weight, self.ewma_age = 1.0, 0.0   # mirrors EwmaWeights (the trainer holds the weights)
 
     @property
     def needs_prox_logp(self) -> bool:
-        return True
+        return not self.config.exact
 
-    def make_ewma(self, params: Sequence[Tensor]) -> EwmaWeights:
+    def make_ewma(self, params: list[Tensor]) -> EwmaWeights:
         """The proximal weights the trainer keeps (update after each step, reset on request)."""
         return EwmaWeights(params, self.config.ewma_beta)
 
+    def gate(self, token_log_ratio: Tensor, m: Tensor, gap_steps: float) -> Tensor:
+        """Train-Infer Mask at ti_level: the TI bounds widened by `gap_steps` steps of clip-bounded drift."""
+        c = self.config
+        log_d = level_log_ratio(token_log_ratio, m, c.ti_level)
+        lo, hi = _log(c.ti_low), _log(c.ti_high)
+        if gap_steps > 0:  # sequence level sums per-token drift: scale by the row's length
+            scale = m.sum(dim=1, keepdim=True) if c.ti_level == "sequence" else torch.ones_like(m[:, :1])
+            lo = lo + gap_steps * _log(1.0 - c.eps_low) * scale
+            hi = hi + gap_steps * math.log1p(c.eps_high) * scale
+        return (log_d >= lo) & (log_d <= hi) & (m > 0)
+
     def policy_terms(self, batch: TokenBatch, reduce: Reducer) -> PolicyTerms:
         c, m = self.config, batch.mask
-        prox, infer = batch.prox_logp, batch.rollout_logp
-        log_s = log_ratio(batch.logp, prox, m)
+        anchor, infer = (batch.old_logp if c.exact else batch.prox_logp), batch.rollout_logp
+        log_s = log_ratio(batch.logp, anchor, m)
         loss, clip_active, dual_active = ppo_clip_loss(log_s, batch.advantages, c.eps_low, c.eps_high,
                                                        c.dual_clip_c)
         f = log_s.dtype
+        sums: dict[str, Tensor] = {"clip_tok": (clip_active & (m > 0)).sum()}
         with torch.no_grad():
-            log_d = level_log_ratio(log_ratio(prox, infer, m), m, c.ti_level)
-            d = torch.exp(log_d)
-            ti_keep = (d >= c.ti_low) & (d <= c.ti_high) & (m > 0)
+            tok_d = log_ratio(anchor, infer, m)
+            d = torch.exp(level_log_ratio(tok_d, m, c.ti_level))
+            ti_keep = self.gate(tok_d, m, 0.0 if c.exact else self.ewma_age + c.lag_steps)
+            if not c.exact:  # what a reset would give: theta as the anchor, only the tokens' lag to tolerate
+                theta_d = log_ratio(batch.logp.detach(), infer, m)
+                sums["ti_kept_theta"] = self.gate(theta_d, m, float(c.lag_steps)).sum()
         metrics = {
             "pg_clipfrac": masked_mean(clip_active.to(f), m),
             "pg_clipfrac_lower": masked_mean(dual_active.to(f), m),
@@ -108,27 +172,37 @@ class PPOEWMA(Algorithm):
             "ti_keep_rate": masked_mean(ti_keep.to(f), m),
             "ti_ratio_mean": masked_mean(d, m),
         }
-        sums = {"ti_kept": ti_keep.sum()}
+        sums["ti_kept"] = ti_keep.sum()
         if c.objective == "original":
             log_behav = torch.maximum(infer, batch.logp.detach() - math.log(c.imp_samp_max))
-            weight = torch.exp(log_ratio(prox, log_behav, m)).detach()
+            weight = torch.exp(log_ratio(anchor, log_behav, m)).detach()
             return PolicyTerms(pg=weight * loss, metrics=metrics, sums=sums)
         if c.ti_tis_max is not None:
             loss = loss * d.clamp(max=c.ti_tis_max)
         return PolicyTerms(pg=loss, keep=ti_keep.to(f), metrics=metrics, sums=sums)
 
     def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        self.last_keep_rate = sums["ti_kept"] / sums["tok_total"] if sums["tok_total"] else 1.0
-        return {"ti_keep_rate": self.last_keep_rate}
+        n = sums["tok_total"]
+        self.last_keep_rate = sums["ti_kept"] / n if n else 1.0
+        out = {"ti_keep_rate": self.last_keep_rate, "step_clipfrac": sums["clip_tok"] / n if n else 0.0}
+        if not self.config.exact:
+            out["ti_keep_rate_theta"] = sums["ti_kept_theta"] / n if n else 1.0
+        return out
 
     def state_dict(self) -> dict[str, float | int | None]:
-        return {"num_resets": self.num_resets, "last_keep_rate": self.last_keep_rate}
+        return {"num_resets": self.num_resets, "last_keep_rate": self.last_keep_rate,
+                "ewma_weight": self.ewma_weight, "ewma_age": self.ewma_age}
 
     def after_optimizer_step(self, metrics: dict[str, float]) -> StepDecision:
-        """Ask for an EWMA reset when the Train-Infer keep-rate of the step fell below the floor."""
+        """Ask for an EWMA reset when it helps (module docstring), and follow the EWMA's age."""
+        c = self.config
+        if c.exact:
+            return StepDecision()
         rate = metrics.get("ti_keep_rate", self.last_keep_rate)
-        reset = (self.config.auto_reset and self.config.objective == "decoupled" and rate is not None
-                 and rate < self.config.reset_keep_rate)
+        starved = metrics.get("step_clipfrac", 0.0) >= c.reset_clip_frac
+        helps = rate is not None and rate < c.reset_keep_rate and metrics.get("ti_keep_rate_theta", 0.0) > rate
+        reset = bool(c.auto_reset and (starved or helps))
         self.num_resets += int(reset)
-        return StepDecision(reset_ewma=reset, metrics={"ewma_reset": float(reset),
+        self.ewma_weight, self.ewma_age = ewma_step(self.ewma_weight, self.ewma_age, 0.0 if reset else c.ewma_beta)
+        return StepDecision(reset_ewma=reset, metrics={"ewma_reset": float(reset), "ewma_age": self.ewma_age,
                                                        "ewma_resets_total": float(self.num_resets)})

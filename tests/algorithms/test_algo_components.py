@@ -112,25 +112,6 @@ def test_pass_rate_history_retires_and_round_trips():
         h.update(["x", "y"], [1.0, 0.0, 1.0])
 
 
-def test_ppo_ewma_auto_reset_decision():
-    ro = make_rollout(seed=2)
-    tight = build("ppo_ewma", reset_keep_rate=0.5)                   # default geometric [0.995, 1.005]
-    res = run_step(tight, ro)
-    assert res.step_metrics["ti_keep_rate"] < 0.5
-    decision = tight.after_optimizer_step(res.step_metrics)
-    assert decision.reset_ewma and decision.metrics["ewma_resets_total"] == 1.0
-    loose = build("ppo_ewma", ti_level="token", ti_low=1e-8, ti_high=1e8)
-    res = run_step(loose, ro)
-    assert res.step_metrics["ti_keep_rate"] == 1.0 and not loose.after_optimizer_step(res.step_metrics).reset_ewma
-    restored = build("ppo_ewma")
-    restored.load_state_dict(tight.state_dict())
-    assert restored.num_resets == 1 and restored.last_keep_rate == tight.last_keep_rate
-    with pytest.raises(ValueError, match="unknown state keys"):
-        restored.load_state_dict({"bogus": 1})
-    off = build("ppo_ewma", auto_reset=False)
-    assert not off.after_optimizer_step(run_step(off, ro).step_metrics).reset_ewma
-
-
 def test_correction_metrics_and_levels():
     train = torch.log(torch.tensor([[0.5, 2.0, 1.0], [1.0, 4.0, 7.0]], dtype=D))
     roll = torch.zeros_like(train)

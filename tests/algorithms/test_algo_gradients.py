@@ -96,7 +96,9 @@ def test_p3o():
 
 @pytest.mark.parametrize("tis", [None, 1.5])
 def test_ppo_ewma_decoupled(tis):
-    ro, alg, w, adv = setup("ppo_ewma", ti_level="token", ti_low=0.8, ti_high=1.25, ti_tis_max=tis)
+    # on-policy, fresh EWMA (age 0, lag 0): the plain TI bounds (tests/algorithms/test_ppo_ewma.py: the widening)
+    ro, alg, w, adv = setup("ppo_ewma", ti_level="token", ti_low=0.8, ti_high=1.25, ti_tis_max=tis,
+                            updates_per_rollout=1)
     d = torch.exp((ro.prox_logp - ro.rollout_logp).clamp(-20, 20))
     keep = ((d >= 0.8) & (d <= 1.25)).to(torch.float64)
     assert 0 < keep[ro.mask > 0].mean() < 1

@@ -1,0 +1,50 @@
+"""PPO-EWMA keeps learning under async k=2 through the CLI (tiny model, rewards that vary within groups):
+with exact old logits (snapshot) the Train-Infer Mask compares the engine with the trainer at the same version
+and keeps every token; with recompute the EWMA proximal anchor's gate tolerates the staleness the clip allows.
+And a configuration that would keep something the loss never reads is refused before any model is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_schedules import _last_per_step, _train, sevens  # noqa: F401  (sevens: module fixture)
+
+pytestmark = pytest.mark.e2e
+ASYNC = ["algorithm=ppo_ewma", "schedule=async", "algorithm.max_staleness=2", "algorithm.updates_per_rollout=1",
+         "trainer.steps=5", "trainer.prompts_per_update=4", "trainer.save_every=0", "optim.lr=1e-3", "trainer.deterministic=true"]
+
+
+@pytest.mark.parametrize("source", ["snapshot", "recompute"])
+def test_async_k2_keeps_learning(sevens, tmp_path, source):  # noqa: F811
+    extra = ["algorithm.old_logp_audit_frac=0.5"] if source == "snapshot" else ["algorithm.reset_clip_frac=0.6"]
+    proc = _train([*sevens, *ASYNC, f"algorithm.old_logp_source={source}", *extra, f"run.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = _last_per_step(tmp_path / "metrics.jsonl")
+    assert sorted(recs) == [1, 2, 3, 4, 5]
+    rows = [(s, r["staleness_max"], r["ti_keep_rate"], r["grad_norm"], r["pg_clipfrac"], r.get("ewma_reset"),
+             r["reward_mean"]) for s, r in sorted(recs.items())]
+    print(f"{source}: (update, staleness, keep, grad_norm, clipfrac, reset, reward)", *rows, sep="\n  ")
+    assert [r["staleness_max"] for r in recs.values()][2:] == [2.0, 2.0, 2.0]     # data two versions stale
+    assert all(r["grad_norm"] > 0 for r in recs.values())                        # learning never stops
+    stale = [r for r in recs.values() if r["staleness_max"] >= 1]
+    assert all(r["ti_keep_rate"] >= 0.5 for r in stale)
+    assert 0 < sum(r["reward_mean"] for r in recs.values()) < 5                  # rewards vary
+    if source == "snapshot":  # exact: fp32 engine and trainer agree to rounding, d = pi_old / pi_infer = 1
+        assert all(r["ti_keep_rate"] == 1.0 and abs(r["ti_ratio_mean"] - 1) < 1e-5 for r in recs.values())
+        assert all(r["old_logp_error_max"] == 0.0 for r in stale)                # the anchor is pi_old exactly
+        assert all("ewma_reset" not in r and "ewma_age" not in r for r in recs.values())  # no EWMA kept
+        assert max(r["pg_clipfrac"] for r in stale) > 0                            # staleness shows in s
+    else:
+        assert sum(r["ewma_reset"] for r in recs.values()) < len(recs)
+        assert recs[5]["ewma_age"] > 0
+
+
+@pytest.mark.parametrize("override", ["algorithm.ewma_beta=0.5", "algorithm.reset_clip_frac=0.9"])
+def test_ewma_key_with_an_exact_source_exits_2(sevens, tmp_path, override):  # noqa: F811
+    proc = _train([*sevens, "algorithm=ppo_ewma", "algorithm.old_logp_source=snapshot", override,
+                   f"run.dir={tmp_path}"], timeout=120)
+    key = override.split("=")[0].split(".")[1]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "config error" in ln]
+    assert len(lines) == 1 and f"{key} set with old_logp_source=snapshot" in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
