@@ -4,9 +4,9 @@ Hilton et al.'s normalised EWMA: start with theta_bar = theta_0 and W = 1; after
     W' = beta * W + 1,   theta_bar <- (beta * W / W') * theta_bar + theta / W',   W <- W'
 so theta_bar is the average of past iterates with weights beta^k, renormalised (no bias towards theta_0).
 reset() is an update with beta = 0: theta_bar = theta, W = 1.
-The same recurrence gives theta_bar's mean age in optimizer steps, a' = (beta * W / W') * (a + 1) (0 after a
-reset, -> beta / (1 - beta) in steady state): how far the proximal policy lags the live weights, which bounds the
-drift PPO-EWMA's train-infer gate must tolerate (ppo_ewma.py). `ewma_step` is that recurrence, shared with the
+The same recurrence gives theta_bar's mean age in optimizer steps, a' = (beta * W / W') * (a + 1) (0 after
+a reset, -> beta / (1 - beta) in steady state): how far the proximal policy lags the live weights, which
+bounds the drift PPO-EWMA's train-infer gate must tolerate (ppo_ewma.py). `ewma_step` is that recurrence, shared with the
 algorithm, which tracks the age without holding the weights.
 
 The class keeps its own copy of whatever local tensors it is given (TP/PP shards included: each rank averages

@@ -5,14 +5,14 @@ The ratio pi_theta / pi_infer splits at the token's behaviour version v into
     s_t = pi_theta / pi_a    policy staleness                -> PPO clip [1 - eps_low, 1 + eps_high]
     l_t = -M_t * min(s_t * A, clip(s_t) * A)    (optionally times min(d_t, ti_tis_max))
 with the anchor pi_a picked by `old_logp_source` (two routes):
-- exact (snapshot | old_logit_model | interrupt): pi_a = pi_old, the trainer at version v. d compares like with
-  like (same weights, engine vs trainer), so the tight TI bounds hold at any staleness; s carries all of it.
-  No EWMA weights exist (needs_prox_logp is False), so EWMA keys set with these sources are refused.
+- exact (snapshot | old_logit_model | interrupt): pi_a = pi_old, the trainer at version v. d compares like
+  with like (same weights, engine vs trainer), so the tight TI bounds hold at any staleness; s carries all
+  of it. No EWMA weights exist (needs_prox_logp is False), so EWMA keys set with these sources are refused.
 - ewma (rollout | recompute: pi_old missing or approximate): pi_a = pi_prox = pi_theta_bar.
-  log d = log(pi_prox / pi_v) + log(pi_v / pi_infer) = drift + TI. theta_bar has mean age a steps (ewma.py) and
-  a token lags at most L steps (lag_steps), so |theta_bar - v| <= a + L steps; PPO's clip bounds one step's
-  move by log(1 + eps_high) up, log(1 - eps_low) down. The gate is the TI bounds widened by (a + L) of those:
-  it only drops what staleness cannot explain. Tight TI gating needs exact old logits.
+  log d = log(pi_prox / pi_v) + log(pi_v / pi_infer) = drift + TI. theta_bar has mean age a steps (ewma.py)
+  and a token lags at most L steps (lag_steps), so |theta_bar - v| <= a + L steps; PPO's clip bounds one
+  step's move by log(1 + eps_high) up, log(1 - eps_low) down. The gate is the TI bounds widened by (a + L)
+  of those: it only drops what staleness cannot explain. Tight TI gating needs exact old logits.
 - Reset (theta_bar <- theta, ewma route only): it sets a = 0 but replaces drift(theta_bar, v) by
   drift(theta, v), L steps: it helps the gate only when theta is closer to v than theta_bar is (measured: the
   keep-rate under theta, gate widened by L only, beats the step's), never under async with a < L. What a reset
@@ -69,15 +69,15 @@ class PpoEwmaConfig(AlgorithmConfig):
     eps_high: float = 0.2
     dual_clip_c: float | None = None
     ti_level: str = "geometric"        # token | sequence | geometric
-    ti_low: float = 0.995              # Train-Infer Mask keeps low <= d <= high (at the same version; the ewma
-    ti_high: float = 1.005             # route widens it by the staleness the clip allows)
+    ti_low: float = 0.995              # Train-Infer Mask keeps low <= d <= high (at the same version; the
+    ti_high: float = 1.005             # ewma route widens it by the staleness the clip allows)
     ti_tis_max: float | None = None    # optional: also multiply by min(d, ti_tis_max)
     imp_samp_max: float = 100.0        # objective=original: cap of pi_anchor / pi_behav
     # --- ewma route only (null = EWMA_DEFAULTS) ---
     ewma_beta: float | None = None     # studied: 0.4, 0.5, 0.75
     auto_reset: bool | None = None
     reset_keep_rate: float | None = None  # reset when the keep-rate is below this AND theta would keep more
-    reset_clip_frac: float | None = None  # reset when this fraction of tokens is clipped (anchor starves the step)
+    reset_clip_frac: float | None = None  # reset when this fraction of tokens is clipped (starved step)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,9 +87,10 @@ class PpoEwmaConfig(AlgorithmConfig):
         if self.old_logp_source in EXACT_OLD_LOGP_SOURCES:
             given = [k for k in EWMA_DEFAULTS if getattr(self, k) is not None]
             if given:
-                raise ValueError(f"{owner}: {', '.join(given)} set with old_logp_source={self.old_logp_source}, "
-                                 "whose exact old logits replace the EWMA proximal policy (none is kept); "
-                                 "unset it or use old_logp_source=rollout|recompute")
+                raise ValueError(f"{owner}: {', '.join(given)} set with "
+                                 f"old_logp_source={self.old_logp_source}, whose exact old logits replace "
+                                 "the EWMA proximal policy (none is kept); unset it or use "
+                                 "old_logp_source=rollout|recompute")
         else:
             for k, v in EWMA_DEFAULTS.items():
                 if getattr(self, k) is None:
@@ -200,9 +201,11 @@ class PPOEWMA(Algorithm):
             return StepDecision()
         rate = metrics.get("ti_keep_rate", self.last_keep_rate)
         starved = metrics.get("step_clipfrac", 0.0) >= c.reset_clip_frac
-        helps = rate is not None and rate < c.reset_keep_rate and metrics.get("ti_keep_rate_theta", 0.0) > rate
+        theta_rate = metrics.get("ti_keep_rate_theta", 0.0)
+        helps = rate is not None and rate < c.reset_keep_rate and theta_rate > rate
         reset = bool(c.auto_reset and (starved or helps))
         self.num_resets += int(reset)
-        self.ewma_weight, self.ewma_age = ewma_step(self.ewma_weight, self.ewma_age, 0.0 if reset else c.ewma_beta)
+        beta = 0.0 if reset else c.ewma_beta
+        self.ewma_weight, self.ewma_age = ewma_step(self.ewma_weight, self.ewma_age, beta)
         return StepDecision(reset_ewma=reset, metrics={"ewma_reset": float(reset), "ewma_age": self.ewma_age,
                                                        "ewma_resets_total": float(self.num_resets)})

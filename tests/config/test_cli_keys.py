@@ -221,7 +221,8 @@ ALGORITHM_OVERRIDES = {
     "p3o": ["algorithm.ess_scope=batch", "algorithm.ess_eps=1e-6"],
     "ppo_ewma": ["algorithm.ewma_beta=0.5", "algorithm.objective=original", "algorithm.ti_level=token",
                  "algorithm.ti_low=0.9", "algorithm.ti_high=1.1", "algorithm.ti_tis_max=2.0",
-                 "algorithm.imp_samp_max=50.0", "algorithm.auto_reset=false", "algorithm.reset_keep_rate=0.3"],
+                 "algorithm.imp_samp_max=50.0", "algorithm.auto_reset=false", "algorithm.reset_keep_rate=0.3",
+                 "algorithm.reset_clip_frac=0.6"],
 }
 
 

@@ -10,13 +10,15 @@ import pytest
 from tests.e2e.test_schedules import _last_per_step, _train, sevens  # noqa: F401  (sevens: module fixture)
 
 pytestmark = pytest.mark.e2e
-ASYNC = ["algorithm=ppo_ewma", "schedule=async", "algorithm.max_staleness=2", "algorithm.updates_per_rollout=1",
-         "trainer.steps=5", "trainer.prompts_per_update=4", "trainer.save_every=0", "optim.lr=1e-3", "trainer.deterministic=true"]
+ASYNC = ["algorithm=ppo_ewma", "schedule=async", "algorithm.max_staleness=2",
+         "algorithm.updates_per_rollout=1", "trainer.steps=5", "trainer.prompts_per_update=4",
+         "trainer.save_every=0", "optim.lr=1e-3", "trainer.deterministic=true"]
 
 
 @pytest.mark.parametrize("source", ["snapshot", "recompute"])
 def test_async_k2_keeps_learning(sevens, tmp_path, source):  # noqa: F811
-    extra = ["algorithm.old_logp_audit_frac=0.5"] if source == "snapshot" else ["algorithm.reset_clip_frac=0.6"]
+    audit, clip = "algorithm.old_logp_audit_frac=0.5", "algorithm.reset_clip_frac=0.6"
+    extra = [audit] if source == "snapshot" else [clip]
     proc = _train([*sevens, *ASYNC, f"algorithm.old_logp_source={source}", *extra, f"run.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = _last_per_step(tmp_path / "metrics.jsonl")
@@ -31,7 +33,7 @@ def test_async_k2_keeps_learning(sevens, tmp_path, source):  # noqa: F811
     assert 0 < sum(r["reward_mean"] for r in recs.values()) < 5                  # rewards vary
     if source == "snapshot":  # exact: fp32 engine and trainer agree to rounding, d = pi_old / pi_infer = 1
         assert all(r["ti_keep_rate"] == 1.0 and abs(r["ti_ratio_mean"] - 1) < 1e-5 for r in recs.values())
-        assert all(r["old_logp_error_max"] == 0.0 for r in stale)                # the anchor is pi_old exactly
+        assert all(r["old_logp_error_max"] < 1e-5 for r in stale)  # pi_old to fp32 rounding (audit layout)
         assert all("ewma_reset" not in r and "ewma_age" not in r for r in recs.values())  # no EWMA kept
         assert max(r["pg_clipfrac"] for r in stale) > 0                            # staleness shows in s
     else:
