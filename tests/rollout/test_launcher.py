@@ -90,10 +90,15 @@ def test_colocated_servers_share_the_trainers_gpus_with_the_memory_saver(monkeyp
 def test_too_few_gpus_is_one_line_naming_the_numbers(monkeypatch):
     from mcore_rl.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^rollout.launcher: 4 servers x tp_size 2 = 8 GPUs \+ 2 trainer GPUs "
-                                          r"\(LOCAL_WORLD_SIZE\) > 8 visible on this node \(0,1,2,3,4,5,6,7\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^rollout.launcher: 4 servers x tp_size 2 = 8 GPUs \+ 2 trainer GPUs "
+        r"\(LOCAL_WORLD_SIZE\) > 8 visible on this node \(0,1,2,3,4,5,6,7\)",
+    ):
         _plan(monkeypatch, num_servers=4, tp_size=2)
-    with pytest.raises(ConfigError, match=r"colocate=true: 3 servers x tp_size 2 = 6 GPUs but this node has 4"):
+    with pytest.raises(
+        ConfigError, match=r"colocate=true: 3 servers x tp_size 2 = 6 GPUs but this node has 4"
+    ):
         _plan(monkeypatch, devices=4, num_servers=3, tp_size=2, colocate=True)
 
 
@@ -106,18 +111,27 @@ def test_non_contiguous_cuda_visible_devices_are_used_by_their_ids(monkeypatch):
     # a job given GPUs 1,3,4,6,7 (Slurm): torch numbers them 0..4; children need the parent's ids
     plan = _plan(monkeypatch, devices=5, visible="1,3,4,6,7", local_world="1", num_servers=2, tp_size=2)
     assert [env for env, _ in plan] == ["3,4", "6,7"]
-    assert [env for env, _ in _plan(monkeypatch, visible="", num_servers=2)] == [None, None]  # no GPU: no slice
-    single = _plan(monkeypatch, devices=2, local_world=None, num_servers=1)  # plain `python -m mcore_rl.train`
+    assert [env for env, _ in _plan(monkeypatch, visible="", num_servers=2)] == [
+        None,
+        None,
+    ]  # no GPU: no slice
+    single = _plan(
+        monkeypatch, devices=2, local_world=None, num_servers=1
+    )  # plain `python -m mcore_rl.train`
     assert single[0][0] == "1"
 
 
 def test_cpu_stand_in_and_custom_commands_get_no_placement(monkeypatch):
     assert [env for env, _ in _plan(monkeypatch, num_servers=8, server="mcore-rl-serve")] == [None] * 8
-    assert [env for env, _ in _plan(monkeypatch, num_servers=8, command=["{python}", "-c", "0"])] == [None] * 8
+    assert [env for env, _ in _plan(monkeypatch, num_servers=8, command=["{python}", "-c", "0"])] == [
+        None
+    ] * 8
 
 
 def test_mem_fraction_belongs_to_its_key(monkeypatch):
-    with pytest.raises(ValueError, match="extra_args sets --mem-fraction-static; use rollout.launcher.mem_fraction"):
+    with pytest.raises(
+        ValueError, match="extra_args sets --mem-fraction-static; use rollout.launcher.mem_fraction"
+    ):
         LauncherConfig(model_path="/m", extra_args=["--mem-fraction-static", "0.7"])
     with pytest.raises(ValueError, match=r"mem_fraction_static=1.2 must be in \(0, 1\)"):
         LauncherConfig(model_path="/m", mem_fraction_static=1.2)
@@ -129,14 +143,24 @@ def test_launcher_keys_through_the_cli_composition(monkeypatch):
 
     from tests.config.keyscan import compose
 
-    cfg = compose(["model=tiny", "rollout=sglang", "rollout.launcher.num_servers=2", "rollout.launcher.tp_size=2",
-                   "rollout.launcher.colocate=true", "rollout.launcher.mem_fraction_static=0.45"])
+    cfg = compose(
+        [
+            "model=tiny",
+            "rollout=sglang",
+            "rollout.launcher.num_servers=2",
+            "rollout.launcher.tp_size=2",
+            "rollout.launcher.colocate=true",
+            "rollout.launcher.mem_fraction_static=0.45",
+        ]
+    )
     launch = OmegaConf.to_container(cfg.rollout.launcher, resolve=False)
     plan = _plan(monkeypatch, local_world="4", **{k: v for k, v in launch.items() if k != "log_dir"})
     assert [env for env, _ in plan] == ["0,1", "2,3"] and "--port" in plan[1][1]
     assert plan[1][1][plan[1][1].index("--port") + 1] == "30001"  # rollout.launcher.base_port=30000 + 1
     assert all("--mem-fraction-static=0.45" in cmd and "--enable-memory-saver" in cmd for _, cmd in plan)
-    default = OmegaConf.to_container(compose(["model=tiny", "rollout=sglang"]).rollout.launcher, resolve=False)
+    default = OmegaConf.to_container(
+        compose(["model=tiny", "rollout=sglang"]).rollout.launcher, resolve=False
+    )
     assert default["colocate"] is False and default["mem_fraction_static"] is None
     plan = _plan(monkeypatch, local_world="4", **{k: v for k, v in default.items() if k != "log_dir"})
     assert plan[0][0] == "4" and "--mem-fraction-static=0.85" in plan[0][1]

@@ -49,8 +49,15 @@ class Placement:
     colocate: bool
 
 
-def place_servers(num_servers: int, tp_size: int, *, colocate: bool = False, gpu_ids: list[int] | None = None,
-                  visible: list[str] | None = None, trainer_gpus: int | None = None) -> Placement:
+def place_servers(
+    num_servers: int,
+    tp_size: int,
+    *,
+    colocate: bool = False,
+    gpu_ids: list[int] | None = None,
+    visible: list[str] | None = None,
+    trainer_gpus: int | None = None,
+) -> Placement:
     """Device slices for `num_servers` servers of `tp_size` GPUs each. Explicit `gpu_ids` win (slice i*tp..).
 
     Raises ConfigError (one line, with the numbers) when the node has too few GPUs. A node without GPUs gets
@@ -63,13 +70,17 @@ def place_servers(num_servers: int, tp_size: int, *, colocate: bool = False, gpu
     n_trainer = trainer_gpus_on_node() if trainer_gpus is None else trainer_gpus
     if gpu_ids is not None:
         ids = [str(g) for g in gpu_ids]
-        return Placement([ids[i * tp_size:(i + 1) * tp_size] for i in range(num_servers)], vis, n_trainer, colocate)
+        return Placement(
+            [ids[i * tp_size : (i + 1) * tp_size] for i in range(num_servers)], vis, n_trainer, colocate
+        )
     if not vis:
         return Placement([[] for _ in range(num_servers)], vis, n_trainer, colocate)
     if colocate:
         if need > len(vis):
-            raise ConfigError(f"rollout.launcher.colocate=true: {num_servers} servers x tp_size {tp_size} = {need} "
-                              f"GPUs but this node has {len(vis)} visible ({','.join(vis)})")
+            raise ConfigError(
+                f"rollout.launcher.colocate=true: {num_servers} servers x tp_size {tp_size} = {need} "
+                f"GPUs but this node has {len(vis)} visible ({','.join(vis)})"
+            )
         pool = vis[:need]
     else:
         if n_trainer + need > len(vis):
@@ -77,6 +88,9 @@ def place_servers(num_servers: int, tp_size: int, *, colocate: bool = False, gpu
                 f"rollout.launcher: {num_servers} servers x tp_size {tp_size} = {need} GPUs + {n_trainer} trainer "
                 f"GPUs (LOCAL_WORLD_SIZE) > {len(vis)} visible on this node ({','.join(vis)}); lower "
                 "rollout.launcher.num_servers/tp_size, set rollout.launcher.colocate=true, or give "
-                "rollout.launcher.gpu_ids")
-        pool = vis[n_trainer:n_trainer + need]
-    return Placement([pool[i * tp_size:(i + 1) * tp_size] for i in range(num_servers)], vis, n_trainer, colocate)
+                "rollout.launcher.gpu_ids"
+            )
+        pool = vis[n_trainer : n_trainer + need]
+    return Placement(
+        [pool[i * tp_size : (i + 1) * tp_size] for i in range(num_servers)], vis, n_trainer, colocate
+    )

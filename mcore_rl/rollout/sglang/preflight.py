@@ -32,11 +32,15 @@ def missing_server(rollout: Mapping[str, Any]) -> str | None:
     launcher = rollout.get("launcher") or {}
     module = SERVER_MODULES.get(launcher.get("server", "sglang"))
     if module is not None and not _installed(module):
-        return (f"rollout=sglang needs SGLang on this machine: {INSTALL_HINT} "
-                "(or set rollout.worker_urls to running servers)")
+        return (
+            f"rollout=sglang needs SGLang on this machine: {INSTALL_HINT} "
+            "(or set rollout.worker_urls to running servers)"
+        )
     if launcher.get("router") and not _installed(ROUTER_MODULE):
-        return (f"rollout.launcher.router=true needs sglang-router on this machine: {INSTALL_HINT} "
-                "(or set rollout.router_url to a running router)")
+        return (
+            f"rollout.launcher.router=true needs sglang-router on this machine: {INSTALL_HINT} "
+            "(or set rollout.router_url to a running router)"
+        )
     return None
 
 
@@ -44,7 +48,9 @@ def engine_determinism(options: dict[str, Any], trainer_deterministic: bool) -> 
     """A deterministic run needs reproducible samples: SGLang honours sampling_seed only with
     --enable-deterministic-inference, so trainer.deterministic=true turns rollout.deterministic on."""
     if trainer_deterministic and "deterministic" in options and not options["deterministic"]:
-        log.warning("trainer.deterministic=true: rollout.deterministic on (SGLang's batch-invariant kernels, "
-                    "slower); set trainer.deterministic=false for throughput")
+        log.warning(
+            "trainer.deterministic=true: rollout.deterministic on (SGLang's batch-invariant kernels, "
+            "slower); set trainer.deterministic=false for throughput"
+        )
         options = {**options, "deterministic": True}
     return options
