@@ -6,6 +6,7 @@ trainer/run.py) is passed to the engine's constructor, so a key here is a constr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ class LocalRolloutConfig:
     """Embedded in-process engine (transformers; rollout/local/engine.py)."""
 
     engine: str = "local"
-    device: str = "cpu"
+    device: str = "auto"            # auto = the trainer's device (cuda:<local rank> when CUDA is up, else cpu)
     dtype: str = "auto"             # auto = the trainer's model.dtype | float32 | bfloat16 | float16
     num_threads: int | None = None  # torch threads for generation (null = leave as is)
     max_batch_size: int = 64        # rows decoded together; more requests queue and join as rows finish
@@ -28,6 +29,8 @@ class LocalRolloutConfig:
 
     def __post_init__(self) -> None:
         one_of("rollout.engine", self.engine, ("local",))
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"rollout.device={self.device!r}: expected auto, cpu, cuda or cuda:N")
         one_of("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
         one_of("rollout.sync_mode", self.sync_mode, ("tensor", "disk"))
         positive("rollout.max_batch_size", self.max_batch_size)
