@@ -3,7 +3,7 @@
 Why: SGLang (`--api-key`) and sglang-router (`--api-key`) take the key as an argument, and every user on a
 node can read every process's arguments (`ps`, /proc/<pid>/cmdline). The key lives in a mode-600 file
 instead; `python -m mcore_rl.api_key --api-key-file F -- <program> [args]` starts a Python program in this
-process with `--api-key <key>` appended to *its* argv (sys.argv), so /proc shows only the file's path.
+process with `--api-key=<key>` appended to *its* argv (sys.argv), so /proc shows only the file's path.
 The trainer's client reads the same file (rollout.api_key_file) and sends `Authorization: Bearer <key>`;
 `/health` stays open without it (SGLang, sglang-router and mcore-rl-serve alike), so health checks need none.
 """
@@ -23,12 +23,21 @@ class ApiKeyError(ValueError):
     """A missing, empty or too-widely readable key file (one line naming the file)."""
 
 
+def new_api_key() -> str:
+    """32 random bytes, URL-safe, never starting with `-`: token_urlsafe's alphabet includes `-`, and a key
+    that starts with it (1 draw in 64) is read by argparse as an option when passed as `--api-key <key>`."""
+    while True:
+        key = secrets.token_urlsafe(32)
+        if not key.startswith("-"):
+            return key
+
+
 def write_api_key(path: str | Path) -> Path:
     """Create `path` with a fresh random key, mode 600 from the start (no window where others can read)."""
     path = Path(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+        f.write(new_api_key() + "\n")
     os.chmod(path, 0o600)
     return path
 
@@ -64,14 +73,14 @@ def run_with_key(key_file: str, flag: str, command: list[str]) -> None:
     if cmd and os.path.basename(cmd[0]).startswith("python") and len(cmd) > 1 and cmd[1] == "-m":
         cmd = cmd[1:]
     if len(cmd) >= 2 and cmd[0] == "-m":
-        sys.argv = [cmd[1], *cmd[2:], flag, key]
+        sys.argv = [cmd[1], *cmd[2:], f"{flag}={key}"]  # one token: never parsed as a separate option
         runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
         return
     entry = _console_script(cmd[0]) if cmd else None
     if entry is None:
         raise SystemExit(f"mcore_rl.api_key: cannot run {cmd[:1]} in-process: give `python -m <module> ...` "
                          "or an installed console script")
-    sys.argv = [cmd[0], *cmd[1:], flag, key]
+    sys.argv = [cmd[0], *cmd[1:], f"{flag}={key}"]
     result = entry()
     raise SystemExit(result if isinstance(result, int) else 0)
 

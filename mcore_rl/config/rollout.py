@@ -6,6 +6,7 @@ trainer/run.py) is passed to the engine's constructor, so a key here is a constr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ class LocalRolloutConfig:
     """Embedded in-process engine (transformers; rollout/local/engine.py)."""
 
     engine: str = "local"
-    device: str = "cpu"
+    device: str = "auto"            # auto = the trainer's device (cuda:<local rank> when CUDA is up, else cpu)
     dtype: str = "auto"             # auto = the trainer's model.dtype | float32 | bfloat16 | float16
     num_threads: int | None = None  # torch threads for generation (null = leave as is)
     max_batch_size: int = 64        # rows decoded together; more requests queue and join as rows finish
@@ -28,6 +29,8 @@ class LocalRolloutConfig:
 
     def __post_init__(self) -> None:
         one_of("rollout.engine", self.engine, ("local",))
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"rollout.device={self.device!r}: expected auto, cpu, cuda or cuda:N")
         one_of("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
         one_of("rollout.sync_mode", self.sync_mode, ("tensor", "disk"))
         positive("rollout.max_batch_size", self.max_batch_size)
@@ -45,8 +48,10 @@ class SGLangLauncherSettings:
     tp_size: int = 1                # passed as --tp-size
     host: str = "127.0.0.1"
     base_port: int = 30000          # server i listens on base_port + i (0: free ports)
-    gpu_ids: list[int] | None = None  # server i gets a tp_size slice as CUDA_VISIBLE_DEVICES
-    extra_args: list[str] = field(default_factory=lambda: ["--mem-fraction-static", "0.7", "--weight-version", "0"])
+    gpu_ids: list[int] | None = None  # explicit: server i gets gpu_ids[i*tp:(i+1)*tp] as CUDA_VISIBLE_DEVICES
+    colocate: bool = False          # share the trainer's GPUs (memory saver) instead of the next visible ones
+    mem_fraction_static: float | None = None  # SGLang's --mem-fraction-static; None: 0.5 colocated, 0.85 dedicated
+    extra_args: list[str] = field(default_factory=lambda: ["--weight-version", "0"])
     router: bool = False            # also start sglang-router
     log_dir: str = "rollout_logs"   # one log per server + servers.json
     health_timeout_s: float = 900.0
@@ -57,6 +62,11 @@ class SGLangLauncherSettings:
         positive("rollout.launcher.tp_size", self.tp_size)
         positive("rollout.launcher.base_port", self.base_port, allow_zero=True)
         positive("rollout.launcher.max_restarts", self.max_restarts, allow_zero=True)
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"rollout.launcher.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if any(str(a).split("=")[0] == "--mem-fraction-static" for a in self.extra_args):
+            raise ConfigError("rollout.launcher.extra_args sets --mem-fraction-static; use "
+                              "rollout.launcher.mem_fraction_static")
 
 
 @dataclass
@@ -68,7 +78,8 @@ class SGLangRolloutConfig:
     router_url: str | None = None   # /generate goes through the router when set
     launcher: SGLangLauncherSettings | None = field(default_factory=SGLangLauncherSettings)
     tp_size: int = 1                # engine TP per server when not launched here
-    deterministic: bool = True      # seeded sampling (launched servers get --enable-deterministic-inference)
+    deterministic: bool = False     # seeded sampling (launched servers get --enable-deterministic-inference);
+    #                                 on in runs with trainer.deterministic=true (engine_determinism below)
     api_key_env: str | None = None  # env var holding the servers' API key; never put the key itself here
     api_key_file: str | None = None  # or a file holding it (mode 600)
     sync_mode: str = "disk"         # disk | tensor (colocated CUDA IPC) | nccl

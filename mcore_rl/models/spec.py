@@ -116,7 +116,7 @@ def transformer_config_kwargs(a: ModelArgs, build: BuildConfig) -> dict:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=build.init_std,
-        # fusions are CUDA kernels; the unfused paths are exact and run everywhere
+        # fusions are CUDA kernels, off here (the local/CPU spec); fusion_kwargs turns them on for TE
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -137,6 +137,36 @@ def transformer_config_kwargs(a: ModelArgs, build: BuildConfig) -> dict:
     )
     kw.update(fp8_fields(build.fp8))
     return kw
+
+
+# Megatron's fused kernels, on with the Transformer Engine spec (resolve_impl picks it only where TE and CUDA are
+# both present). bias_activation_fusion: fused SwiGLU; masked_softmax_fusion: Megatron's fused softmax (TE's own
+# attention ignores it); apply_rope_fusion: TE's fused RoPE; bias_dropout_fusion: fused bias-dropout-add;
+# gradient_accumulation_fusion: weight gradients accumulated straight into DDP's fp32 main_grad by the GEMM
+# (trainable models only: a frozen model has no main_grad to accumulate into).
+TE_FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "apply_rope_fusion", "bias_dropout_fusion")
+
+
+def fusion_kwargs(impl: str, trainable: bool = True) -> dict:
+    """TransformerConfig fusion switches for the chosen layer implementation."""
+    on = impl == "transformer_engine"
+    return {**{k: on for k in TE_FUSIONS}, "gradient_accumulation_fusion": on and trainable}
+
+
+def ddp_config_kwargs(impl: str, use_distributed_optimizer: bool) -> dict:
+    """DistributedDataParallelConfig for a trainable model. With TE on CUDA the gradient reduce-scatter/all-reduce
+    overlaps the backward pass (bucket by bucket); CPU/gloo runs keep one synchronous reduce after it.
+
+    overlap_param_gather stays off even with the distributed optimizer: it defers the post-step all-gather of
+    updated weights to the next forward's pre-hooks, and this trainer reads the weights right after each step
+    outside any forward (weight sync to the engine, PPO-EWMA, the old-logit model's copy), which would see the
+    previous step's shards."""
+    return dict(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=impl == "transformer_engine",
+        overlap_param_gather=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
 
 
 def layer_spec(a: ModelArgs, impl: str):

@@ -11,6 +11,8 @@ from mcore_rl.models.base import ModelArgs
 from mcore_rl.models.moe_spec import moe_config_kwargs, moe_layer_spec, validate_moe_parallel
 from mcore_rl.models.spec import (
     BuildConfig,
+    ddp_config_kwargs,
+    fusion_kwargs,
     layer_spec,
     padded_vocab_size,
     resolve_impl,
@@ -26,29 +28,39 @@ def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
     return finalize_model_grads(model, None, *args, **kwargs)
 
 
-def build_transformer_config(args: ModelArgs, build: BuildConfig):
+def transformer_config_dict(args: ModelArgs, build: BuildConfig, impl: str, trainable: bool = True) -> dict:
+    """Everything TransformerConfig gets, as a dict (testable on CPU for the TE spec without building TE)."""
+    kwargs = transformer_config_kwargs(args, build)
+    kwargs.update(fusion_kwargs(impl, trainable))  # Megatron/TE fused kernels: TE spec only
+    kwargs.update(moe_config_kwargs(args, build.ep, build.moe_aux_loss_coeff))  # {} for dense models
+    return kwargs
+
+
+def build_transformer_config(args: ModelArgs, build: BuildConfig, trainable: bool = True):
     from megatron.core.transformer import TransformerConfig
 
-    resolve_impl(build)
-    kwargs = transformer_config_kwargs(args, build)
-    kwargs.update(moe_config_kwargs(args, build.ep, build.moe_aux_loss_coeff))  # {} for dense models
-    config = TransformerConfig(**kwargs)
+    config = TransformerConfig(**transformer_config_dict(args, build, resolve_impl(build), trainable))
     config.finalize_model_grads_func = _finalize_without_token_scaling
     config.variable_seq_lengths = build.pp > 1  # token-budget micro-batches differ in shape; p2p sends shapes
     return config
 
 
 def build_gpt_model(
-    args: ModelArgs, build: BuildConfig, *, wrap_ddp: bool = True, use_distributed_optimizer: bool = False
+    args: ModelArgs, build: BuildConfig, *, wrap_ddp: bool = True, use_distributed_optimizer: bool = False,
+    trainable: bool = True,
 ):
-    """GPTModel for this rank's PP stage (TP-sharded), optionally wrapped for mixed precision and DDP."""
+    """GPTModel for this rank's PP stage (TP-sharded), optionally wrapped for mixed precision and DDP.
+
+    `trainable=False` (reference, old-logit models: forward only) skips DDP, whose contiguous fp32 gradient
+    buffers (`main_grad`, one fp32 copy of every parameter) would be allocated for a model that never trains,
+    and freezes the parameters so autograd keeps no graph for them."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     validate_parallel(args, build.tp, build.pp, torch.distributed.get_world_size())
     validate_moe_parallel(args, build.tp, build.ep, torch.distributed.get_world_size(), build.pp)
     impl = resolve_impl(build)
-    config = build_transformer_config(args, build)
+    config = build_transformer_config(args, build, trainable)
     model = GPTModel(
         config=config,
         transformer_layer_spec=moe_layer_spec(args, impl) if args.moe else layer_spec(args, impl),
@@ -76,16 +88,42 @@ def build_gpt_model(
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
+    if not trainable:
+        return freeze(model)
     if not wrap_ddp:
         return model
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(impl, use_distributed_optimizer))
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    if ddp_config.overlap_grad_reduce:
+        # Megatron's schedules hold the bucket reduces back until the last micro-batch through these
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
+    return ddp
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """Forward-only: no parameter requires a gradient (no DDP wrapper, no optimizer: see build_gpt_model)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def grad_buffer_bytes(model: torch.nn.Module) -> int:
+    """Bytes of gradient storage a model holds: Megatron DDP's contiguous buffers (`main_grad` views into them)
+    plus any plain `.grad`. What a frozen policy must not hold."""
+    total = 0
+    for buffers in (getattr(model, "buffers", None), getattr(model, "expert_parallel_buffers", None)):
+        for buf in buffers if isinstance(buffers, list) else []:
+            total += buf.grad_data.numel() * buf.grad_data.element_size()
+    if total == 0:  # no DDP buffers: count per-parameter gradients
+        for p in model.parameters():
+            for g in (getattr(p, "main_grad", None), p.grad):
+                if g is not None:
+                    total += g.numel() * g.element_size()
+    return total
 
 
 def build_optimizer(model, build: BuildConfig, optim: OptimSettings, decay_steps: int, seed: int = 0):

@@ -33,8 +33,8 @@ class Policy:
         self.args: ModelArgs = self.family.args(hf)
         self.cfg = cfg
         cfg.build.dtype = resolve_dtype(cfg.build.dtype)  # `auto` -> fp32 | bf16, measured once, logged
-        self.model = build_gpt_model(
-            self.args, cfg.build, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
+        self.model = build_gpt_model(  # frozen (trainable=False): no DDP gradient buffers, no optimizer
+            self.args, cfg.build, use_distributed_optimizer=cfg.optim.use_distributed_optimizer, trainable=trainable
         )
         self.optimizer = self.scheduler = None
         self.router_load = None

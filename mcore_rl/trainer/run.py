@@ -42,6 +42,7 @@ class Run:
     def __init__(self, cfg: DictConfig):
         validate_config(cfg)  # one-line errors before anything heavy
         self.cfg = cfg
+        self._check_rollout_server()
         if cfg.trainer.deterministic:
             torch.set_num_threads(max(1, torch.get_num_threads()))
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -81,6 +82,9 @@ class Run:
             for key in TRAINER_KEYS:  # the trainer's side of weight sync
                 rc.pop(key, None)
             rc = self.schedule.engine_options(rc)
+            from mcore_rl.rollout.sglang.preflight import engine_determinism
+
+            rc = engine_determinism(rc, bool(cfg.trainer.deterministic))  # seeded servers for a deterministic run
             if "dtype" in rc:  # auto: the engine runs in the trainer's (resolved) dtype
                 from mcore_rl.policy.precision import engine_dtype
 
@@ -135,6 +139,17 @@ class Run:
         return out
 
     # ---- setup helpers -----------------------------------------------------------------------------------
+    def _check_rollout_server(self) -> None:
+        """rollout=sglang launching servers here without SGLang installed: one line (exit 2), not a traceback
+        after the model is built. Only the launching rank (global rank 0) checks."""
+        import os
+
+        from mcore_rl.rollout.sglang.preflight import missing_server
+        from mcore_rl.trainer.setup import ConfigError
+
+        if os.environ.get("RANK", "0") == "0" and (msg := missing_server(OmegaConf.to_container(self.cfg.rollout))):
+            raise ConfigError(msg)
+
     def _init_weights(self) -> None:
         from mcore_rl.checkpoint_io import load_dist_checkpoint
 

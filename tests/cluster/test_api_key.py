@@ -83,3 +83,44 @@ def test_launcher_refuses_a_readable_key_file(tmp_path):
                            "python", "-m", "json.tool"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 1 and "has mode 640; it must be 600" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_keys_never_read_as_an_option():
+    """2000 fresh keys (a leading `-` would come ~31 times in 2000 draws of token_urlsafe): each parses as given,
+    both as `--api-key=<key>` (what the launcher and mcore_rl.api_key pass) and as `--api-key <key>`, through a
+    plain argparse option and sglang-router's own parser."""
+    import argparse
+
+    from sglang_router.router_args import RouterArgs
+
+    from mcore_rl.api_key import new_api_key
+
+    plain = argparse.ArgumentParser()
+    plain.add_argument("--api-key")
+    router = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(router, use_router_prefix=False)
+    keys = [new_api_key() for _ in range(2000)]
+    assert len(set(keys)) == 2000 and not any(k.startswith("-") for k in keys)
+    assert min(map(len, keys)) >= 43  # 32 random bytes
+    for key in keys:
+        assert plain.parse_args([f"--api-key={key}"]).api_key == key
+        assert plain.parse_args(["--api-key", key]).api_key == key
+    for key in keys[:200]:
+        ns = router.parse_args(["--worker-urls", "http://a:1", f"--api-key={key}"])
+        assert RouterArgs.from_cli_args(ns, use_router_prefix=False).api_key == key
+    # the failure this guards against: a key with a leading `-` after a separate `--api-key`
+    with pytest.raises(SystemExit):
+        plain.parse_args(["--api-key", "-Zm9v"])
+    assert plain.parse_args(["--api-key=-Zm9v"]).api_key == "-Zm9v"
+
+
+def test_api_key_runner_passes_the_key_as_one_token(tmp_path):
+    key_file = write_api_key(tmp_path / "key")
+    key = read_api_key(key_file)
+    script = "import sys, json; print(json.dumps(sys.argv[1:]))"
+    (tmp_path / "show_argv.py").write_text(script)
+    proc = subprocess.run([sys.executable, "-m", "mcore_rl.api_key", "--api-key-file", str(key_file), "--",
+                           "python", "-m", "show_argv", "--x", "1"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}:{tmp_path}"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["--x", "1", f"--api-key={key}"]

@@ -40,7 +40,7 @@ def test_launcher_flags_for_sglang_and_mcore_rl_serve():
     cfg = LauncherConfig(model_path="/m", tp_size=2, memory_saver=True, deterministic=True, api_key="k3y")
     launcher = ServerLauncher(cfg)
     cmd = launcher._fmt(cfg.command, model_path="/m", tp_size=2, port=1, host="h")
-    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[-2:] == ["--api-key", "k3y"]  # SGLang has no env var
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[-1] == "--api-key=k3y"  # SGLang has no env var
     serve = ServerLauncher(LauncherConfig(model_path="/m", server="mcore-rl-serve", api_key="k3y"))
     assert "k3y" not in serve._fmt(serve.cfg.command, model_path="/m", tp_size=1, port=1, host="h")  # env only
     with pytest.raises(ValueError, match="launcher.server='vllm'"):

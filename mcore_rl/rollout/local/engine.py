@@ -41,6 +41,18 @@ log = logging.getLogger(__name__)
 _DTYPE_ALIASES = {"auto": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def resolve_device(device: str) -> torch.device:
+    """`auto` = the trainer's device: cuda:<LOCAL_RANK> when CUDA is up (the rank that owns the engine holds
+    that GPU), else cpu. Why not cpu always: on a GPU node a CPU engine decodes orders of magnitude slower."""
+    if device != "auto":
+        return torch.device(device)
+    import os
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -58,7 +70,7 @@ class LocalEngine:
         self,
         model_path: str,
         *,
-        device: str = "cpu",
+        device: str = "auto",
         dtype: str = "float32",
         num_threads: int | None = None,
         max_batch_size: int = 64,
@@ -74,7 +86,7 @@ class LocalEngine:
         if not Path(model_path, "config.json").is_file():
             raise FileNotFoundError(f"model_path {model_path} is not an HF folder (no config.json)")
         self.model_path = str(model_path)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         name = _DTYPE_ALIASES.get(dtype, dtype)
         if name not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"rollout.dtype={dtype!r}: expected auto, float32, bfloat16 or float16")

@@ -8,6 +8,10 @@ After a restart, `on_restart(url)` runs (the engine replays the current weights 
 counts as up again. The API key reaches children as $MCORE_RL_API_KEY; only commands that cannot read it
 from there (SGLang, the router) get `--api-key` through the `{api_key_args}` placeholder, and logged command
 lines show it as ***. `log_dir/servers.json` lists pid, url and restarts of every process (for operators).
+The key always travels as `--api-key=<key>`: one token, so a key is never read as an option of its own.
+GPU placement (placement.py): each server gets its own CUDA_VISIBLE_DEVICES slice of the node's visible devices,
+after the trainer's (disaggregated) or on them (`colocate`, with SGLang's memory saver); never all on GPU 0.
+`mem_fraction_static` (SGLang's --mem-fraction-static) defaults to 0.5 colocated, 0.85 on dedicated GPUs.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from mcore_rl.rollout.sglang.placement import Placement, place_servers
+
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "MCORE_RL_API_KEY"
 SGLANG_COMMAND = [
     "{python}", "-m", "sglang.launch_server", "--model-path", "{model_path}", "--tp-size", "{tp_size}",
-    "--port", "{port}", "--host", "{host}", "{api_key_args}",
+    "--port", "{port}", "--host", "{host}", "--mem-fraction-static={mem_fraction_static}", "{api_key_args}",
 ]  # fmt: skip
 MCORE_RL_SERVE_COMMAND = [
     "{python}", "-m", "mcore_rl.rollout.server", "--model-path", "{model_path}", "--port", "{port}",
@@ -46,6 +52,7 @@ ROUTER_COMMAND = [
     "--log-level", "warn", "{api_key_args}",
 ]  # fmt: skip
 COMMANDS: dict[str, list[str]] = {"sglang": SGLANG_COMMAND, "mcore-rl-serve": MCORE_RL_SERVE_COMMAND}
+GPU_SERVERS = frozenset({"sglang"})  # servers that run on GPUs and get a placement (mcore-rl-serve: CPU, CI)
 # Server flags switched on by LauncherConfig booleans (SGLang's names; mcore-rl-serve accepts them too).
 # memory_saver: release/resume_memory_occupation are silent no-ops in SGLang without it.
 # deterministic: SGLang ignores sampling_seed without it.
@@ -53,6 +60,11 @@ FLAGS: dict[str, list[str]] = {
     "memory_saver": ["--enable-memory-saver"],
     "deterministic": ["--enable-deterministic-inference"],
 }
+
+
+# SGLang's --mem-fraction-static (weights + KV cache share of GPU memory): colocated servers leave room for the
+# trainer's activations when they resume; a dedicated GPU gives SGLang nearly all of it.
+MEM_FRACTION = {"colocated": 0.5, "dedicated": 0.85}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -99,8 +111,16 @@ class LauncherConfig:
     memory_saver: bool = False  # the schedule releases engine memory between rounds
     deterministic: bool = False  # seeded sampling requested
     api_key: str | None = field(default=None, repr=False)
+    colocate: bool = False  # servers share the trainer's GPUs (memory saver on) instead of the next ones
+    mem_fraction_static: float | None = None  # SGLang's --mem-fraction-static; None: 0.5 colocated, 0.85 dedicated
+    trainer_gpus: int | None = None  # trainer processes on this node (None: $LOCAL_WORLD_SIZE, else 1)
+    # give each server its own GPUs (placement.py); None: yes for SGLang's own command, no for the CPU stand-in
+    # and for a custom `command` (those follow explicit gpu_ids only)
+    place_gpus: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.place_gpus is None:
+            self.place_gpus = self.command is None and self.server in GPU_SERVERS
         if self.command is None:
             if self.server not in COMMANDS:
                 raise ValueError(f"rollout.launcher.server={self.server!r}: expected one of {sorted(COMMANDS)}")
@@ -111,6 +131,15 @@ class LauncherConfig:
             raise ValueError(
                 f"LauncherConfig.gpu_ids has {len(self.gpu_ids)} GPUs for {self.num_servers} x tp {self.tp_size}"
             )
+        if self.mem_fraction_static is None:
+            self.mem_fraction_static = MEM_FRACTION["colocated" if self.colocate else "dedicated"]
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"rollout.launcher.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if self.colocate:
+            self.memory_saver = True  # the trainer needs the memory back between rounds
+        if any(str(a).split("=")[0] == "--mem-fraction-static" for a in self.extra_args):
+            raise ValueError("rollout.launcher.extra_args sets --mem-fraction-static; use "
+                             "rollout.launcher.mem_fraction_static instead")
 
 
 @dataclass
@@ -172,12 +201,13 @@ class ServerLauncher:
         os.replace(tmp, Path(self.cfg.log_dir) / "servers.json")
 
     def _fmt(self, template: list[str], **values) -> list[str]:
+        values = {"mem_fraction_static": self.cfg.mem_fraction_static, **values}
         out: list[str] = []
         for tok in template:
             if tok == "{worker_urls}":
                 out.extend(values["worker_urls"])
             elif tok == "{api_key_args}":
-                out.extend(["--api-key", self.cfg.api_key] if self.cfg.api_key else [])
+                out.extend([f"--api-key={self.cfg.api_key}"] if self.cfg.api_key else [])
             else:
                 out.append(
                     tok.format(
@@ -186,26 +216,47 @@ class ServerLauncher:
                 )
         return out
 
-    def start(self) -> ServerLauncher:
+    def placement(self) -> Placement:
         cfg = self.cfg
-        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
-        atexit.register(self.stop)
-        for i in range(cfg.num_servers):
+        if not cfg.place_gpus and cfg.gpu_ids is None:
+            return Placement([[] for _ in range(cfg.num_servers)], [], 0, cfg.colocate)
+        return place_servers(cfg.num_servers, cfg.tp_size, colocate=cfg.colocate, gpu_ids=cfg.gpu_ids,
+                             trainer_gpus=cfg.trainer_gpus)  # fmt: skip
+
+    def plan(self) -> list[_Proc]:
+        """The servers to start: command line, URL and environment (CUDA_VISIBLE_DEVICES) each; nothing runs."""
+        cfg = self.cfg
+        placement = self.placement()
+        procs = []
+        for i, gpus in enumerate(placement.per_server):
             port = cfg.base_port + i if cfg.base_port else free_port(cfg.host)
-            values = dict(model_path=cfg.model_path, tp_size=cfg.tp_size, port=port, host=cfg.host)
+            values = dict(model_path=cfg.model_path, tp_size=cfg.tp_size, port=port, host=cfg.host,
+                          mem_fraction_static=cfg.mem_fraction_static)  # fmt: skip
             env = dict(cfg.env)
             if cfg.api_key:
                 env[API_KEY_ENV] = cfg.api_key
-            if cfg.gpu_ids is not None:
-                gpus = cfg.gpu_ids[i * cfg.tp_size : (i + 1) * cfg.tp_size]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-            proc = _Proc(
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            procs.append(_Proc(
                 f"server{i}",
                 self._fmt(cfg.command, **values)
                 + [flag for key, flags in FLAGS.items() if getattr(cfg, key) for flag in flags]
                 + [str(a) for a in cfg.extra_args],
                 f"http://{cfg.host}:{port}", env, Path(cfg.log_dir) / f"server{i}.log",
-            )  # fmt: skip
+            ))  # fmt: skip
+        if any(placement.per_server):
+            log.warning("rollout servers on GPUs %s (%s; visible %s, trainer %d)",
+                        [p.env["CUDA_VISIBLE_DEVICES"] for p in procs],
+                        "colocated" if cfg.colocate else "dedicated", ",".join(placement.visible),
+                        placement.trainer_gpus)  # fmt: skip
+        return procs
+
+    def start(self) -> ServerLauncher:
+        cfg = self.cfg
+        procs = self.plan()  # a placement error surfaces before anything is started
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        for proc in procs:
             self.servers.append(proc)
             self._spawn(proc)
         try:
@@ -235,7 +286,8 @@ class ServerLauncher:
 
     def _spawn(self, proc: _Proc) -> None:
         proc.log_file = open(proc.log_path, "ab")  # noqa: SIM115 -- lives as long as the process
-        shown = " ".join("***" if self.cfg.api_key and tok == self.cfg.api_key else tok for tok in proc.cmd)
+        key = self.cfg.api_key
+        shown = " ".join(tok.replace(key, "***") if key else tok for tok in proc.cmd)
         proc.log_file.write(f"\n==== {time.strftime('%F %T')} start: {shown}\n".encode())
         proc.log_file.flush()
         proc.popen = subprocess.Popen(
