@@ -20,7 +20,10 @@ class TrainerConfig:
     save_every: int = 10            # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2       # newest checkpoints kept (0 = keep every one)
     export_hf: bool = True          # write an HF folder (run.dir/hf) at the end
-    deterministic: bool = True      # fixed threads + seeds: resumed runs reproduce an uninterrupted run's losses
+    # fixed threads + seeds: resumed runs reproduce an uninterrupted run's losses. null = on with the embedded
+    # engine (free there), off with SGLang (its sampling is reproducible only with batch-invariant kernels, which
+    # cost throughput): see resolve_deterministic
+    deterministic: bool | None = None
     sync_weights: bool = True       # push new weights to the rollout engine after every update
     max_nonfinite_skips: int = 3    # non-finite updates skipped in a row before the run stops
 
@@ -36,3 +39,12 @@ class TrainerConfig:
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"trainer.top_p={self.top_p} must be in (0, 1]")
         one_of("trainer.resume", self.resume, ("auto", "never"))
+
+
+def resolve_deterministic(value: bool | None, engine: str) -> bool:
+    """trainer.deterministic as the run uses it: an explicit true/false wins; null means reproducible where it
+    costs nothing (the embedded engine) and fast where reproducibility has a price (SGLang servers would need
+    --enable-deterministic-inference on every server)."""
+    if value is not None:
+        return bool(value)
+    return engine != "sglang"

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl.agreement import FatalRunError
 from mcore_rl.algorithms import build_algorithm
+from mcore_rl.config.trainer import resolve_deterministic
 from mcore_rl.distributed import broadcast_object, init_distributed
 from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
@@ -43,7 +44,8 @@ class Run:
         validate_config(cfg)  # one-line errors before anything heavy
         self.cfg = cfg
         self._check_rollout_server()
-        if cfg.trainer.deterministic:
+        self.deterministic = resolve_deterministic(cfg.trainer.deterministic, cfg.rollout.engine)
+        if self.deterministic:
             torch.set_num_threads(max(1, torch.get_num_threads()))
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model_dir = resolve_model_dir(cfg)
@@ -84,7 +86,7 @@ class Run:
             rc = self.schedule.engine_options(rc)
             from mcore_rl.rollout.sglang.preflight import engine_determinism
 
-            rc = engine_determinism(rc, bool(cfg.trainer.deterministic))  # seeded servers for a deterministic run
+            rc = engine_determinism(rc, self.deterministic)  # seeded servers for a deterministic run
             if "dtype" in rc:  # auto: the engine runs in the trainer's (resolved) dtype
                 from mcore_rl.policy.precision import engine_dtype
 

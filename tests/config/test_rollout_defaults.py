@@ -10,6 +10,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from mcore_rl.config.trainer import resolve_deterministic
 from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
 from mcore_rl.rollout.sglang.preflight import engine_determinism, missing_server
 from tests.config.keyscan import REPO, compose
@@ -58,7 +59,8 @@ def test_missing_server_only_where_servers_are_launched(monkeypatch):
 def _server_flags(overrides: list[str]) -> list[str]:
     """What the trainer does with the composed config: rollout options -> engine_determinism -> launch cmd."""
     cfg = compose(["model=tiny", "rollout=sglang", *overrides])
-    rc = engine_determinism(OmegaConf.to_container(cfg.rollout), bool(cfg.trainer.deterministic))
+    deterministic = resolve_deterministic(cfg.trainer.deterministic, cfg.rollout.engine)
+    rc = engine_determinism(OmegaConf.to_container(cfg.rollout), deterministic)
     launch = {k: v for k, v in rc["launcher"].items() if k != "log_dir"}
     cmd = (
         ServerLauncher(LauncherConfig(model_path="/m", deterministic=rc["deterministic"], **launch))
@@ -70,6 +72,9 @@ def _server_flags(overrides: list[str]) -> list[str]:
 
 def test_deterministic_inference_only_where_the_run_asks_for_it():
     assert compose(["model=tiny", "rollout=sglang"]).rollout.deterministic is False  # the yaml default
+    assert compose(["model=tiny"]).trainer.deterministic is None  # null: decided by the engine
+    assert _server_flags([]) == []  # a default SGLang run gets the fast kernels
+    assert resolve_deterministic(None, "local") is True  # the embedded engine is reproducible for free
     assert _server_flags(["trainer.deterministic=false"]) == []
     assert _server_flags(["trainer.deterministic=true"]) == ["--enable-deterministic-inference"]
     assert _server_flags(["trainer.deterministic=false", "rollout.deterministic=true"]) == [

@@ -90,7 +90,7 @@ class Schedule:
     def __init__(self, run) -> None:
         self.run = run
         self.cfg = run.cfg
-        self.deterministic = bool(run.cfg.trainer.deterministic)
+        self.deterministic = run.deterministic
         self.pending: deque[_Round] = deque()
         self.requeued: list = []          # prompts to generate again first (async stale_policy=requeue)
         self.next_index = 0               # round index of the next submission (seeds derive from it)
