@@ -96,6 +96,8 @@ def rollout_engine(name: str | None, engine: str | None, overrides: dict,
     rc = OmegaConf.to_container(cfg.rollout, resolve=True)
     for key in (*TRAINER_KEYS, "bucket_mb", "nccl"):
         rc.pop(key, None)
+    if isinstance(rc.get("launcher"), dict):  # no trainer shares this node: servers may take every visible GPU
+        rc["launcher"] = {**rc["launcher"], "trainer_gpus": 0}
     rc.update(overrides)
     return engine or rc.pop("engine", "local"), {k: v for k, v in rc.items() if k != "engine"}
 

@@ -61,3 +61,18 @@ def test_eval_rollout_unknown_name_is_one_line_error(tmp_path, eval_inproc):
     assert proc.returncode == 2 and len(err) >= 1
     assert err[-1].startswith("mcore-rl-eval: error: --rollout nosuch: no such rollout config")
     assert "local" in err[-1] and "sglang" in err[-1]
+
+
+def test_eval_servers_reserve_no_trainer_gpus(monkeypatch):
+    """mcore-rl-eval has no trainer on the node: launched servers may take every visible GPU from 0."""
+    from mcore_rl.evaluation.cli import rollout_engine
+    from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # would reserve two GPUs for a trainer
+    name, kw = rollout_engine("sglang", None, {})
+    assert name == "sglang" and kw["launcher"]["trainer_gpus"] == 0
+    launch = {k: v for k, v in kw["launcher"].items() if k not in ("log_dir",)}
+    launch.update(num_servers=2, tp_size=2)
+    plans = ServerLauncher(LauncherConfig(model_path="/m", **launch)).plan()
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0,1", "2,3"]
