@@ -47,7 +47,8 @@ class Run:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model_dir = resolve_model_dir(cfg)
         check_model_against_parallel(cfg, self.model_dir)
-        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed, ep=cfg.parallel.ep)
+        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed, ep=cfg.parallel.ep,
+                                  timeout_s=cfg.trainer.dist_timeout_s)
         self.rank, self.dp = layout.rank, layout.dp
         from megatron.core import parallel_state as ps
 
