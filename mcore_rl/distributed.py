@@ -11,7 +11,6 @@ a gloo world group (`cpu_group()`), never a GPU byte tensor.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import pickle
 import socket
@@ -33,8 +32,6 @@ class ParallelLayout:
     device: torch.device
     backend: str
 
-
-log = logging.getLogger("mcore_rl")
 
 # How long a rank may wait in one collective before the process group gives up. Every group gets it: the
 # default one, the gloo world group and Megatron's. The trainer passes `trainer.dist_timeout_s`
@@ -185,6 +182,15 @@ def group_timeout_s(group=None) -> float:
     return pg._get_backend(group_device(group)).options._timeout.total_seconds()
 
 
+def describe_groups() -> str:
+    """One line for the run's log: the backend and the timeouts the groups really got (read back from them)."""
+    from megatron.core import parallel_state as ps
+
+    return (f"process groups: backend={dist.get_backend()} world={dist.get_world_size()} "
+            f"timeout_s={group_timeout_s():g} (default group), {group_timeout_s(cpu_group()):g} (host group), "
+            f"{group_timeout_s(ps.get_data_parallel_group()):g} (data parallel)")
+
+
 def global_rank() -> int:
     """This process's rank (0 before torch.distributed is initialised)."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -240,9 +246,6 @@ def init_distributed(
         # ep: expert-parallel ranks, carved out of data parallelism (MoE only; 1 for dense models)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      expert_model_parallel_size=ep, distributed_timeout_minutes=timeout_s / 60)
-    log.warning("process groups: backend=%s world=%d timeout_s=%g (default group), %g (host group), %g (data "
-                "parallel)", dist.get_backend(), world, group_timeout_s(), group_timeout_s(cpu_group()),
-                group_timeout_s(ps.get_data_parallel_group()))
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return ParallelLayout(world, rank, local_rank, tp, pp, world // (tp * pp), device, backend)
