@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 from omegaconf import OmegaConf
 
 from tests.distributed.test_collective_layer import REPO
+
+pytestmark = pytest.mark.e2e
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": str(REPO)}
