@@ -2,8 +2,8 @@
 
 Why: a fault (non-finite loss on one rank, a full disk under one rank's shard, a reward pool that keeps crashing)
 must turn into the same decision on every rank, or the ranks diverge into a collective that never completes (a
-10-minute hang). The agreement itself is `distributed.all_ranks_any` (one MAX all-reduce on the gloo world
-group): `distributed.py` stays the one place that knows backends and devices.
+hang until `trainer.dist_timeout_s`). The agreement itself is `distributed.all_ranks_any` (one MAX all-reduce on
+the gloo world group): `distributed.py` stays the one place that knows backends and devices.
 """
 
 from __future__ import annotations

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl import fsio
 from mcore_rl.agreement import FatalRunError, any_rank
-from mcore_rl.distributed import global_rank
+from mcore_rl.distributed import barrier, global_rank
 
 COMPLETE = "complete.json"
 FILES_KEY = "_files"
@@ -37,8 +36,7 @@ class CheckpointWriteError(FatalRunError):
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()  # the gloo world group: a host-side meeting point, no device tensor involved
 
 
 def _use_in_process_results_queue() -> None:

@@ -33,8 +33,20 @@ class ParallelLayout:
     backend: str
 
 
+# How long a rank may wait in one collective before the process group gives up. Every group gets it: the
+# default one, the gloo world group and Megatron's. The trainer passes `trainer.dist_timeout_s`
+# (mcore_rl/config/trainer.py says why its default is long).
+DEFAULT_TIMEOUT_S = 3600.0
+
 _STATE: dict[str, object] = {"device": torch.device("cpu"), "cpu_group": None}
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _op(op: str):
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise ValueError(f"reduce op {op!r}: expected one of {', '.join(_OPS)}") from None
 
 
 def collective_device() -> torch.device:
@@ -73,10 +85,11 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """A fresh tensor on `t`'s device holding the reduction of `t` over `group` (`op`: sum, max or min).
     `t` itself is left untouched, so callers may pass views of tensors they still use."""
+    reduce_op = _op(op)
     if not dist.is_initialized():
         return t.detach().clone()
     work = t.detach().to(group_device(group), copy=True)
-    dist.all_reduce(work, op=_OPS[op], group=group)
+    dist.all_reduce(work, op=reduce_op, group=group)
     return _on(work, t.device)
 
 
@@ -98,8 +111,8 @@ def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
     dev = group_device(group)
     work = _on(t.detach(), dev).contiguous()
     dist.broadcast(work, src=src, group=group)
-    if work.data_ptr() != t.data_ptr():
-        t.copy_(work)
+    if work.device != t.device or work.data_ptr() != t.data_ptr():  # moved, or made contiguous: copy back
+        t.copy_(_on(work, t.device))
     return t
 
 
@@ -162,6 +175,22 @@ def sum_reducer(group=None):
     return reduce
 
 
+def group_timeout_s(group=None) -> float:
+    """The timeout `group` (None = the default group) was created with, read back from its backend: what a
+    collective on it really waits before failing (logged at start-up, checked by tests)."""
+    pg = group if group is not None else dist.group.WORLD
+    return pg._get_backend(group_device(group)).options._timeout.total_seconds()
+
+
+def describe_groups() -> str:
+    """One line for the run's log: the backend and the timeouts the groups really got (read back from them)."""
+    from megatron.core import parallel_state as ps
+
+    return (f"process groups: backend={dist.get_backend()} world={dist.get_world_size()} "
+            f"timeout_s={group_timeout_s():g} (default group), {group_timeout_s(cpu_group()):g} (host group), "
+            f"{group_timeout_s(ps.get_data_parallel_group()):g} (data parallel)")
+
+
 def global_rank() -> int:
     """This process's rank (0 before torch.distributed is initialised)."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -174,12 +203,16 @@ def free_port() -> int:
 
 
 def init_distributed(
-    tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: int = 600, ep: int = 1
+    tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT_S, ep: int = 1
 ) -> ParallelLayout:
     """Initialise torch.distributed from torchrun's env (or a 1-process default) and Megatron's groups.
 
     Runs the CPU shim first when CUDA is absent, so every later Megatron call sees CPU-safe behaviour.
+    `timeout_s` applies to every group created here (torch's own default for new groups is 30 min whatever the
+    default group got, so it is passed to each one explicitly).
     """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"process-group timeout_s={timeout_s!r} must be > 0 seconds")
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         from mcore_rl.compat import cpu
@@ -193,8 +226,8 @@ def init_distributed(
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
         if world == 1 and "MASTER_PORT" not in os.environ:
             # one process: an in-memory store, no TCP port to pick (concurrent jobs on a node never collide)
             dist.init_process_group(backend=backend, store=dist.HashStore(), world_size=1, rank=0, timeout=timeout)
@@ -205,14 +238,14 @@ def init_distributed(
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     _STATE["device"] = device
     # host-side flags need a gloo group when the default backend is NCCL; with gloo, WORLD already is one
-    _STATE["cpu_group"] = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    _STATE["cpu_group"] = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if not ps.model_parallel_is_initialized():
         # ep: expert-parallel ranks, carved out of data parallelism (MoE only; 1 for dense models)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep)
+                                     expert_model_parallel_size=ep, distributed_timeout_minutes=timeout_s / 60)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return ParallelLayout(world, rank, local_rank, tp, pp, world // (tp * pp), device, backend)

@@ -21,18 +21,14 @@ def identity_reduce(x: Tensor) -> Tensor:
 
 
 def make_dist_reducer(group: object | None = None) -> Reducer:
-    """SUM all-reduce over `group` (e.g. Megatron's data-parallel group); returns a fresh tensor.
+    """SUM all-reduce over `group` (e.g. Megatron's data-parallel group); returns a fresh tensor on `x`'s device.
 
-    The input is cloned so callers may pass views of tensors they still use.
+    The input is left untouched, so callers may pass views of tensors they still use. The device the group needs
+    (CUDA for NCCL) is `mcore_rl.distributed`'s business, so the algorithms may keep their statistics on the CPU.
     """
-    import torch.distributed as dist
+    from mcore_rl.distributed import sum_reducer
 
-    def reduce(x: Tensor) -> Tensor:
-        out = x.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    return reduce
+    return sum_reducer(group)
 
 
 def stack_sums(*values: Tensor | float, device: torch.device | None = None) -> Tensor:

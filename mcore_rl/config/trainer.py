@@ -26,6 +26,12 @@ class TrainerConfig:
     deterministic: bool | None = None
     sync_weights: bool = True       # push new weights to the rollout engine after every update
     max_nonfinite_skips: int = 3    # non-finite updates skipped in a row before the run stops
+    # Seconds a rank may wait in one collective before its process group fails the run (every group: the default,
+    # the host gloo group, Megatron's). Long, because the longest legitimate wait is the other ranks sitting in
+    # the sample broadcast while rank 0 alone generates and scores a round (plus held-out eval, checkpoint save,
+    # the HF export): long-response rounds on a busy engine take tens of minutes, and a timeout there kills a
+    # healthy run. The price of a long value is only how late a real hang is reported.
+    dist_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         positive("trainer.steps", self.steps, allow_zero=True)
@@ -34,6 +40,7 @@ class TrainerConfig:
             positive(f"trainer.{key}", getattr(self, key))
         positive("trainer.save_every", self.save_every, allow_zero=True)
         positive("trainer.keep_checkpoints", self.keep_checkpoints, allow_zero=True)
+        positive("trainer.dist_timeout_s", self.dist_timeout_s)
         if self.temperature <= 0:
             raise ConfigError(f"trainer.temperature={self.temperature} must be > 0 for RL sampling")
         if not 0 < self.top_p <= 1:

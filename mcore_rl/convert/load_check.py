@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.config.model import LoadCheckConfig  # noqa: F401  (the schema of model.load_check; re-exported)
+from mcore_rl.distributed import all_ranks_any, all_reduce
 
 MODES = ("auto", "true", "false")
 
@@ -43,37 +43,54 @@ def _mode(value) -> str:
     return mode
 
 
-def should_run(cfg: LoadCheckConfig, num_params: int, dtype: str, from_hf: bool = True) -> tuple[bool, str]:
+def settings_skip(cfg: LoadCheckConfig, dtype: str, from_hf: bool = True) -> str:
+    """Why the settings alone rule the check out ('' if they do not). Needs no collective: every rank reads the
+    same config, so a disabled check costs nothing, not even a process-group round trip."""
     mode = _mode(cfg.enabled)
     if mode == "false":
-        return False, "model.load_check.enabled=false"
+        return "model.load_check.enabled=false"
     if mode == "auto" and not from_hf:
-        return False, "auto: the weights come from model.mcore_ckpt, which may legitimately differ from the HF folder"
+        return "auto: the weights come from model.mcore_ckpt, which may legitimately differ from the HF folder"
     if dtype != "fp32":
-        return False, f"model.dtype={dtype} (only fp32 logits are compared)"
-    if mode == "auto":
-        import psutil
+        return f"model.dtype={dtype} (only fp32 logits are compared)"
+    return ""
 
-        need = 2 * 4 * num_params  # the HF reference model in fp32, plus headroom of one more copy
-        avail = psutil.virtual_memory().available
-        if need > avail // 2:
-            return False, f"auto: {need / 1e9:.1f} GB for a reference copy exceeds half the free memory"
-    return True, ""
+
+def memory_skip(num_params: int, avail: int) -> str:
+    """`auto`'s memory rule: the HF reference model in fp32, plus headroom of one more copy, within half of `avail`."""
+    need = 2 * 4 * num_params
+    if need > avail // 2:
+        return f"auto: {need / 1e9:.1f} GB for a reference copy exceeds half the free memory"
+    return ""
+
+
+def _agreed_decision(policy, cfg: LoadCheckConfig, from_hf: bool) -> str:
+    """Collective only when `auto` must weigh memory: the parameter count is summed over the model's shards, and
+    the check is skipped everywhere if any rank lacks the memory (free memory differs per rank, and ranks that
+    disagree would leave the others waiting in the forward below)."""
+    reason = settings_skip(cfg, policy.cfg.build.dtype, from_hf)
+    if reason or _mode(cfg.enabled) != "auto":
+        return reason
+    import psutil
+
+    n_local = sum(p.numel() for p in policy.model.parameters())
+    total = int(all_reduce(torch.tensor([float(n_local)], dtype=torch.float64), "sum").item())
+    reason = memory_skip(total, psutil.virtual_memory().available)
+    if all_ranks_any(bool(reason)):
+        return reason or "auto: another rank lacks the memory for a reference copy"
+    return ""
 
 
 def run_load_check(policy, model_dir: str | Path, cfg: LoadCheckConfig, from_hf: bool = True) -> LoadCheckResult:
-    """Collective over all ranks. Returns the result on every rank (the max difference is all-reduced)."""
+    """Collective over all ranks unless the settings rule the check out. Returns the result on every rank (the max
+    difference is all-reduced)."""
     from megatron.core import parallel_state as ps
 
     from mcore_rl.convert.megatron_model import forward_logits
     from mcore_rl.convert.verify import hf_logits, prompt_tokens
 
-    n_local = sum(p.numel() for p in policy.model.parameters())
-    total = torch.tensor([float(n_local)])
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    ok, reason = should_run(cfg, int(total.item()), policy.cfg.build.dtype, from_hf)
-    if not ok:
+    reason = _agreed_decision(policy, cfg, from_hf)
+    if reason:
         return LoadCheckResult(False, reason)
     tokens, _ = prompt_tokens(Path(model_dir), policy.args.vocab_size)
     tokens = tokens[:, :64]
@@ -88,6 +105,5 @@ def run_load_check(policy, model_dir: str | Path, cfg: LoadCheckConfig, from_hf:
         diff[0] = (got - ref).abs().max() if got.shape == ref.shape else float("inf")
         del ref
         gc.collect()
-    if dist.is_initialized():
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    diff = all_reduce(diff, "max")
     return LoadCheckResult(True, "", float(diff.item()), tokens.numel())

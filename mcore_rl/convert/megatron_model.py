@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
+from mcore_rl.distributed import all_gather
 from mcore_rl.models.base import ModelArgs
 
 
@@ -78,9 +79,7 @@ def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor
     def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
         tp = ps.get_tensor_model_parallel_world_size()
         if tp > 1:
-            parts = [torch.empty_like(logits) for _ in range(tp)]
-            torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
-            logits = torch.cat(parts, dim=-1)
+            logits = torch.cat(all_gather(logits, ps.get_tensor_model_parallel_group()), dim=-1)
         return logits[..., :vocab_size].float().cpu()  # drop TP vocab padding rows
 
     def loss_func(logits: torch.Tensor):

@@ -10,9 +10,9 @@ max-reduced over the world, so rank 0 (which logs) sees it under PP too.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from mcore_rl.distributed import all_reduce
 from mcore_rl.oldlogp.store import VersionStore, score_by_version
 
 
@@ -40,7 +40,6 @@ class Auditor:
             if diff.numel():
                 stale = (sub.versions[m] != version).to(torch.float64)
                 stats = torch.stack([diff.mean(), diff.max(), stale.mean()])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        stats = all_reduce(stats, "max")
         return {"old_logp_error": stats[0].item(), "old_logp_error_max": stats[1].item(),
                 "old_logp_stale_token_frac": stats[2].item()}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.distributed import all_reduce
+
 
 def _tp_info() -> tuple[int, int, object | None]:
     try:
@@ -85,8 +87,7 @@ def vocab_parallel_logprobs(
 
         local_max = logits.detach().amax(dim=-1) if n_valid > 0 else torch.full(
             logits.shape[:-1], float("-inf"), device=logits.device)
-        global_max = local_max.clone()
-        torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        global_max = all_reduce(local_max, "max", group)
     else:
         allsum = None  # type: ignore[assignment]
         global_max = logits.detach().amax(dim=-1)

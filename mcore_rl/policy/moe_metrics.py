@@ -10,7 +10,8 @@ ever dropped (the dropped-token count is 0 by construction and not reported).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from mcore_rl.distributed import all_reduce
 
 
 class RouterLoad:
@@ -29,9 +30,7 @@ class RouterLoad:
 
     def read(self) -> dict[str, float]:
         """Collective: per-expert share of routed slots, and max/mean (1.0 = perfectly balanced); resets."""
-        counts = self.counts.clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(counts)
+        counts = all_reduce(self.counts, "sum")  # a fresh tensor on the CPU, whatever device the group needs
         self.counts.zero_()
         total = counts.sum().item()
         if total <= 0:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from mcore_rl.config.optim import OptimSettings
+from mcore_rl.distributed import all_reduce
 from mcore_rl.models.base import ModelArgs, family_for, read_hf_config
 from mcore_rl.models.hf_io import HFReader
 from mcore_rl.models.spec import BuildConfig
@@ -83,8 +84,7 @@ class Policy:
         from megatron.core import parallel_state as ps
 
         if ps.get_data_parallel_world_size() > 1:
-            n = torch.tensor([len(mbs)])
-            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            n = all_reduce(torch.tensor([len(mbs)]), "max", ps.get_data_parallel_group())
             while len(mbs) < int(n.item()):
                 pad = mbs[-1].select([0])
                 mbs.append(PolicyBatch(pad.tokens, torch.zeros_like(pad.loss_mask),

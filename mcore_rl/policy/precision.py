@@ -77,18 +77,17 @@ def _decide_auto() -> str:
     if torch.cuda.is_available():
         log.warning("model.dtype=auto -> bf16 (CUDA)")
         return "bf16"
-    import torch.distributed as dist
+    from mcore_rl.distributed import broadcast, global_rank
 
     choice = torch.zeros(1)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if global_rank() == 0:
         rates = measure_matmul_rates()
         pick = rates.speedup >= AUTO_MIN_SPEEDUP
         choice[0] = 1.0 if pick else 0.0
         log.warning("model.dtype=auto -> %s (torch.mm fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s, %.2fx; bf16 needs >= "
                     "%.1fx)", "bf16" if pick else "fp32", rates.fp32_gflops, rates.bf16_gflops, rates.speedup,
                     AUTO_MIN_SPEEDUP)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(choice, src=0)
+    choice = broadcast(choice, src=0)  # every rank trains in rank 0's choice
     return "bf16" if choice.item() > 0 else "fp32"
 
 

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from mcore_rl.agreement import FatalRunError
 from mcore_rl.algorithms import build_algorithm
 from mcore_rl.config.trainer import resolve_deterministic
-from mcore_rl.distributed import broadcast_object, init_distributed
+from mcore_rl.distributed import broadcast_object, describe_groups, init_distributed
 from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
 from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
@@ -50,7 +50,9 @@ class Run:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.model_dir = resolve_model_dir(cfg)
         check_model_against_parallel(cfg, self.model_dir)
-        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed, ep=cfg.parallel.ep)
+        layout = init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.seed, ep=cfg.parallel.ep,
+                                  timeout_s=cfg.trainer.dist_timeout_s)
+        log.warning(describe_groups())
         self.rank, self.dp = layout.rank, layout.dp
         from megatron.core import parallel_state as ps
 
