@@ -38,6 +38,7 @@ from mcore_rl.rollout.sglang.api import (
     single_generate_payload,
 )
 from mcore_rl.rollout.sglang.interrupt import Interrupts
+from mcore_rl.rollout.sglang.weight_session import WeightSessions, check_tp_sizes
 
 log = logging.getLogger(__name__)
 Item = tuple[GenerationRequest, int, str]  # (request, sample index, SGLang rid)
@@ -92,6 +93,7 @@ class AsyncSGLangClient:
         self.weight_version = int(version)
         self.stats = {"http_retries": 0, "stale_dropped": 0, "regenerated": 0}
         self.interrupts = Interrupts()
+        self.sessions = WeightSessions(self)  # SGLang's begin/end_weight_update around tensor/nccl updates
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._load = dict.fromkeys(config.worker_urls, 0)  # in-flight samples per worker
@@ -156,12 +158,16 @@ class AsyncSGLangClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
+    def live_workers(self) -> list[str]:
+        """Worker URLs, less those known dead or coming back (they get the current weights when they are up)."""
+        if self.tolerate is None:
+            return list(self.cfg.worker_urls)
+        return [u for u in self.cfg.worker_urls if not self.tolerate(u)]
+
     async def post_all(self, endpoint: str, payload: dict, timeout: float | None = None) -> dict[str, Any]:
         """POST the same body to every worker concurrently; raise the first failure that is not tolerated.
         Returns {url: reply} of the workers that answered."""
-        urls = self.cfg.worker_urls
-        if self.tolerate is not None:  # known dead or coming back: it gets the current weights when it is up
-            urls = [u for u in urls if not self.tolerate(u)]
+        urls = self.live_workers()
         results = await asyncio.gather(
             *(self.request("POST", u, endpoint, payload, timeout) for u in urls), return_exceptions=True
         )
@@ -333,11 +339,21 @@ class AsyncSGLangClient:
             self.interrupts.end()
 
     async def begin_update(self) -> None:
-        """From another thread, around a bucketed (tensor/nccl) update: the gate lives in this loop."""
+        """From another thread, around a bucketed (tensor/nccl) update: the interrupt gate lives in this loop, and
+        every worker gets an SGLang weight-update session (weight_session.py)."""
         self.interrupts.begin()
+        try:
+            await self.sessions.begin()
+        except BaseException:
+            self.interrupts.end()
+            raise
 
     async def end_update(self) -> None:
-        self.interrupts.end()
+        """Close the sessions (also after a failed update: then that failure is what the caller sees)."""
+        try:
+            await self.sessions.end()
+        finally:
+            self.interrupts.end()
 
     # ------------------------------------------------------------------ control
     async def pause(self, mode: PauseMode = "abort") -> None:
@@ -388,14 +404,26 @@ class AsyncSGLangClient:
         self.weight_version = int(version)
 
     async def update_weights_from_tensor(self, url: str, payload: dict) -> None:
-        res = await self.request("POST", url, "/update_weights_from_tensor", payload)
-        if isinstance(res, dict) and res.get("success") is False:
-            raise RuntimeError(f"{url}/update_weights_from_tensor failed: {res.get('message')}")
+        """One bucket to one worker: one payload per engine TP rank (checked against its /server_info)."""
+        try:
+            count = len(payload.get("serialized_named_tensors") or [])
+            check_tp_sizes({url: (await self.sessions.server_tp_sizes()).get(url)}, {url: count})
+            res = await self.request("POST", url, "/update_weights_from_tensor", payload)
+            if isinstance(res, dict) and res.get("success") is False:
+                raise RuntimeError(f"{url}/update_weights_from_tensor failed: {res.get('message')}")
+        except BaseException as exc:
+            self.sessions.failed(exc)
+            raise
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
     ) -> None:
-        """Tell worker i to join as ranks [1 + sum(tp[:i]), ...) of a group whose rank 0 is the trainer."""
+        """Tell worker i to join as ranks [1 + sum(tp[:i]), ...) of a group whose rank 0 is the trainer.
+
+        First each worker leaves a group of that name (a previous trainer's), and each worker's TP size must be
+        the one the world size counts (a wrong one hangs the rendezvous)."""
+        check_tp_sizes(await self.sessions.server_tp_sizes(), dict(zip(self.cfg.worker_urls, tp_sizes)))
+        await self.sessions.destroy_group(group_name)
         world = 1 + sum(tp_sizes)
         offsets = list(itertools.accumulate([1, *tp_sizes[:-1]]))
         await asyncio.gather(
@@ -409,4 +437,8 @@ class AsyncSGLangClient:
         )  # fmt: skip
 
     async def update_weights_from_distributed(self, payload: dict) -> None:
-        await self.post_all("/update_weights_from_distributed", payload)
+        try:
+            await self.post_all("/update_weights_from_distributed", payload)
+        except BaseException as exc:
+            self.sessions.failed(exc)
+            raise
