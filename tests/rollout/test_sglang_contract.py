@@ -387,3 +387,108 @@ def test_failed_update_still_closes_the_session(server):
             await client.close()
 
     run(scenario())
+
+
+def test_flattened_bucket_over_both_transports(server, tiny_model, monkeypatch):
+    """SGLang's load_format=flattened_bucket: one uint8 buffer per bucket + metadata records (pickled under SGLang's
+    own module path, as a trainer with sglang importable sends them); one broadcast per bucket on the group path."""
+    import dataclasses
+    import json
+    import types
+    import urllib.request
+
+    import torch
+
+    from mcore_rl.rollout.sglang.api import serialize_named_tensors
+    from mcore_rl.rollout.sglang.client import AsyncSGLangClient, SGLangClientConfig
+    from mcore_rl.rollout.sglang.launcher import free_port
+    from mcore_rl.rollout.weight_sync.dist_group import destroy_weight_update_group, init_weight_update_group
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:  # field for field sglang.srt.weight_sync.tensor_bucket's
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+
+    mod = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+    FlattenedTensorMetadata.__module__, FlattenedTensorMetadata.__qualname__ = (
+        mod.__name__,
+        "FlattenedTensorMetadata",
+    )
+    mod.FlattenedTensorMetadata = FlattenedTensorMetadata
+    for parent in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):  # what pickle imports to find the class
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"]
+    sd = tiny_model.state_dict()
+
+    def bucket(scale: float) -> tuple[torch.Tensor, list]:
+        tensors = [sd[n] * scale for n in names]
+        flat = torch.cat([t.flatten().view(torch.uint8) for t in tensors])
+        meta, off = [], 0
+        for n, t in zip(names, tensors):
+            meta.append(FlattenedTensorMetadata(n, t.shape, t.dtype, off, off + t.nbytes, t.nbytes))
+            off += t.nbytes
+        return flat, meta
+
+    def read(param: str) -> torch.Tensor:
+        body = json.dumps({"name": param, "truncate_size": 10**6}).encode()
+        req = urllib.request.Request(server + "/get_weights_by_name", data=body, method="POST")
+        return torch.tensor(json.loads(urllib.request.urlopen(req, timeout=30).read()))
+
+    async def scenario():
+        client = AsyncSGLangClient(SGLangClientConfig([server]))
+        seen = []
+        try:
+            flat, meta = bucket(2.0)  # shared-memory tensor path
+            body = {"serialized_named_tensors": [serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})],
+                    "load_format": "flattened_bucket", "weight_version": "11"}  # fmt: skip
+            await client.begin_update()
+            try:
+                await client.update_weights_from_tensor(server, body)
+            finally:
+                await client.end_update()
+            seen.append([await asyncio.to_thread(read, n) for n in names])
+            port = free_port()  # group path: one broadcast of the whole bucket
+            fut = asyncio.ensure_future(
+                client.init_weights_update_group("127.0.0.1", port, [1], "gflat", "gloo")
+            )
+            group = await asyncio.to_thread(
+                init_weight_update_group, "127.0.0.1", port, 0, 2, "gflat", "gloo", 60
+            )
+            await fut
+            flat, _ = bucket(-1.0)
+            body = {"names": names, "dtypes": ["float32"] * 2, "shapes": [list(sd[n].shape) for n in names],
+                    "group_name": "gflat", "load_format": "flattened_bucket"}  # fmt: skip
+            await client.begin_update()
+            try:
+                fut = asyncio.ensure_future(client.update_weights_from_distributed(body))
+                await asyncio.to_thread(torch.distributed.broadcast, flat, 0, group)
+                await fut
+            finally:
+                await client.end_update()
+            seen.append([await asyncio.to_thread(read, n) for n in names])
+            destroy_weight_update_group(group)
+            await client.request("POST", server, "/destroy_weights_update_group", {"group_name": "gflat"})
+            flat, meta = bucket(1.0)  # back to the original values
+            body["serialized_named_tensors"] = [
+                serialize_named_tensors({"flattened_tensor": flat, "metadata": meta})
+            ]
+            await client.begin_update()
+            try:
+                await client.update_weights_from_tensor(server, {k: body[k] for k in ("serialized_named_tensors",
+                                                                                       "load_format")})  # fmt: skip
+            finally:
+                await client.end_update()
+            seen.append([await asyncio.to_thread(read, n) for n in names])
+            return seen
+        finally:
+            await client.close()
+
+    for got, scale in zip(run(scenario()), (2.0, -1.0, 1.0)):
+        for n, t in zip(names, got):
+            assert torch.equal(t, (sd[n] * scale).flatten()), (n, scale)

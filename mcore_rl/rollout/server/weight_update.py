@@ -63,11 +63,39 @@ def _version(state: ServerState, body: dict[str, Any]) -> int:
     return state.engine.weight_version if version is None else version
 
 
-def _no_load_format(body: dict[str, Any], endpoint: str) -> None:
-    if body.get("load_format") is not None:
+FLAT = "flattened_bucket"  # SGLang's one-buffer-per-bucket format (srt/weight_sync/tensor_bucket.py)
+
+
+def _load_format(body: dict[str, Any], endpoint: str) -> str | None:
+    """None/"direct" (named tensors) or "flattened_bucket"; custom loaders exist only in a real SGLang."""
+    fmt = body.get("load_format")
+    if fmt not in (None, "direct", FLAT):
         raise BadRequest(
-            f"{endpoint}: load_format={body['load_format']!r} is not supported by mcore-rl-serve"
+            f"{endpoint}: load_format={fmt!r} is not supported by mcore-rl-serve (none, direct, {FLAT})"
         )
+    return FLAT if fmt == FLAT else None
+
+
+def flat_views(flat: Any, records: list[Any]) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of each record's bytes in one flat uint8 buffer (SGLang's `reconstruct_tensors`), checked."""
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError("flattened_tensor must be a 1-D uint8 tensor")
+    out = []
+    for m in records:
+        name, dtype, shape = getattr(m, "name", None), getattr(m, "dtype", None), getattr(m, "shape", None)
+        start, end = getattr(m, "start_idx", None), getattr(m, "end_idx", None)
+        if not (
+            isinstance(name, str) and isinstance(dtype, torch.dtype) and isinstance(shape, (tuple, list))
+        ):
+            raise ValueError(f"bad flattened-bucket record {str(getattr(m, '__dict__', m))[:200]}")
+        if not all(isinstance(v, int) for v in (start, end, *shape)) or not 0 <= start <= end <= flat.numel():
+            raise ValueError(f"{name}: bytes [{start}, {end}) outside the {flat.numel()}-byte bucket")
+        if start % dtype.itemsize or end - start != math.prod(shape) * dtype.itemsize:
+            raise ValueError(
+                f"{name}: bytes [{start}, {end}) do not hold a {dtype} tensor of shape {list(shape)}"
+            )
+        out.append((name, flat[start:end].view(dtype).reshape(shape)))
+    return out
 
 
 # ---------------------------------------------------------------------- session
@@ -173,10 +201,26 @@ def _announced(body: dict[str, Any]) -> list[tuple[str, torch.dtype, list[int]]]
 
 
 def _receive(
-    group: Any, announced: list[tuple[str, torch.dtype, list[int]]]
+    group: Any, announced: list[tuple[str, torch.dtype, list[int]]], fmt: str | None
 ) -> list[tuple[str, torch.Tensor]]:
+    """One broadcast per tensor, or (flattened_bucket) one for the whole bucket, from group rank 0."""
     import torch.distributed as dist
 
+    if fmt == FLAT:
+        records, offset = [], 0
+        for name, dtype, shape in announced:  # SGLang's FlattenedTensorBucket.empty
+            if offset % dtype.itemsize:
+                raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+            size = math.prod(shape) * dtype.itemsize
+            records.append(
+                _Record(name=name, dtype=dtype, shape=tuple(shape), start_idx=offset, end_idx=offset + size)
+            )
+            offset += size
+        if not records:
+            raise ValueError("Cannot create empty tensor bucket")
+        flat = torch.empty(offset, dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=group)
+        return flat_views(flat, records)
     out = []
     for name, dtype, shape in announced:
         t = torch.empty(shape, dtype=dtype)
@@ -191,7 +235,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     roles = _selector(body, "/update_weights_from_distributed")
     if state.session is None:
         return _reply(False, OUTSIDE_SESSION.format(op="update_weights_from_distributed"))
-    _no_load_format(body, "/update_weights_from_distributed")
+    fmt = _load_format(body, "/update_weights_from_distributed")
     name = body.get("group_name") or "weight_update_group"
     if name not in state.groups:
         return _reply(False, f"Failed to receive weights: Group {name} not in {list(state.groups)}. "
@@ -200,7 +244,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     version = _version(state, body)
     async with writer(state, bool(body.get("abort_all_requests"))):
         try:
-            tensors = await in_thread(_receive, state.groups[name], announced)
+            tensors = await in_thread(_receive, state.groups[name], announced, fmt)
         except Exception as exc:  # noqa: BLE001
             return _reply(False, f"Failed to receive weights: {exc}")
         return await _load(state, roles, tensors, version, "Succeeded to update parameter online.")
@@ -216,6 +260,20 @@ async def _load(state: ServerState, roles: set[str], tensors, version: int, ok: 
         return _reply(False, f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
                              "partially updated. Please discard the whole weights.")  # fmt: skip
     return _reply(True, ok)
+
+
+class _Record:
+    """A flattened-bucket metadata record as unpickled here: SGLang's `FlattenedTensorMetadata` or the trainer's
+    mirror of it (weight_sync/flat_bucket.py), read by attribute as SGLang does."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+RECORD_CLASSES = {
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+    ("mcore_rl.rollout.weight_sync.flat_bucket", "FlattenedTensorMetadata"),
+}
 
 
 class _TensorUnpickler(pickle.Unpickler):
@@ -238,6 +296,8 @@ class _TensorUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in RECORD_CLASSES:
+            return _Record
         if (module, name) in self.ALLOWED or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
@@ -245,22 +305,29 @@ class _TensorUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"blocked global {module}.{name}")
 
 
-def open_payload(payload: str) -> list[tuple[str, torch.Tensor]]:
-    """One TP rank's base64 ForkingPickler dump -> [(name, tensor)]; ValueError naming what is wrong."""
+def open_payload(payload: str, fmt: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """One TP rank's base64 ForkingPickler dump -> [(name, tensor)]; ValueError naming what is wrong.
+    fmt=flattened_bucket: the dump is `{"flattened_tensor": uint8 tensor, "metadata": [records]}`."""
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"not base64 ({exc})") from None
     try:
-        named = _TensorUnpickler(io.BytesIO(raw)).load()
+        obj = _TensorUnpickler(io.BytesIO(raw)).load()
     except Exception as exc:  # noqa: BLE001 - any malformed pickle is the client's error
         raise ValueError(f"not a tensor payload ({type(exc).__name__}: {str(exc)[:200]})") from None
-    if not isinstance(named, (list, tuple)) or not all(
+    if fmt == FLAT:
+        if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), list):
+            raise ValueError(
+                "a flattened_bucket payload is {'flattened_tensor': tensor, 'metadata': [records]}"
+            )
+        return flat_views(obj.get("flattened_tensor"), obj["metadata"])
+    if not isinstance(obj, (list, tuple)) or not all(
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-        for p in named
+        for p in obj
     ):
         raise ValueError("the payload must be a list of (name, tensor) pairs")
-    return list(named)
+    return list(obj)
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
@@ -271,13 +338,13 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raise BadRequest("/update_weights_from_tensor: field 'serialized_named_tensors' is required")
     if state.session is None:
         return _reply(False, OUTSIDE_SESSION.format(op="update_weights_from_tensor"))
-    _no_load_format(body, "/update_weights_from_tensor")
+    fmt = _load_format(body, "/update_weights_from_tensor")
     payloads = body["serialized_named_tensors"]
     if len(payloads) <= state.tp_rank or not isinstance(payloads[state.tp_rank], str):
         raise BadRequest(f"/update_weights_from_tensor: serialized_named_tensors needs one base64 string per "
                          f"engine TP rank; rank {state.tp_rank} has none ({len(payloads)} given)")  # fmt: skip
     try:
-        tensors = await in_thread(open_payload, payloads[state.tp_rank])
+        tensors = await in_thread(open_payload, payloads[state.tp_rank], fmt)
     except ValueError as exc:
         raise BadRequest(
             f"/update_weights_from_tensor: serialized_named_tensors[{state.tp_rank}]: {exc}"

@@ -247,7 +247,7 @@ def bucket_named_tensors(
 
 
 @contextmanager
-def _cpu_shared_by_name(named_tensors: list[tuple[str, torch.Tensor]]) -> Iterator[None]:
+def _cpu_shared_by_name() -> Iterator[None]:
     """CPU tensors pickle as shared-memory FILE NAMES (torch's `file_system` strategy) for the dump's duration.
 
     Why: the default `file_descriptor` strategy passes descriptors through this process's resource sharer, which
@@ -256,9 +256,6 @@ def _cpu_shared_by_name(named_tensors: list[tuple[str, torch.Tensor]]) -> Iterat
     """
     import torch.multiprocessing as tmp
 
-    if not any(t.device.type == "cpu" for _, t in named_tensors):
-        yield
-        return
     old = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
@@ -267,13 +264,14 @@ def _cpu_shared_by_name(named_tensors: list[tuple[str, torch.Tensor]]) -> Iterat
         tmp.set_sharing_strategy(old)
 
 
-def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(named_tensors: Any) -> str:
     """SGLang's MultiprocessingSerializer format: base64 of a ForkingPickler dump (CUDA IPC handles on GPU, shared
-    memory file names on CPU). The tensors must stay alive until the receiver has loaded them."""
+    memory file names on CPU) of [(name, tensor)] or a flattened bucket {flattened_tensor, metadata}. The tensors
+    must stay alive until the receiver has loaded them."""
     from multiprocessing.reduction import ForkingPickler
 
     buf = io.BytesIO()
-    with _cpu_shared_by_name(named_tensors):
+    with _cpu_shared_by_name():
         ForkingPickler(buf).dump(named_tensors)
     return base64.b64encode(buf.getvalue()).decode("utf-8")
 
