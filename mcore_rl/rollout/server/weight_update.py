@@ -233,6 +233,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request, "/update_weights_from_distributed")
     roles = _selector(body, "/update_weights_from_distributed")
+    if any(body.get(k) is None for k in ("names", "dtypes", "shapes")):  # request validation comes first
+        raise BadRequest("/update_weights_from_distributed: names, dtypes and shapes are required")
     if state.session is None:
         return _reply(False, OUTSIDE_SESSION.format(op="update_weights_from_distributed"))
     fmt = _load_format(body, "/update_weights_from_distributed")

@@ -33,12 +33,11 @@ from mcore_rl.rollout.protocol import GenerationRequest, PauseMode, Sample, expa
 from mcore_rl.rollout.sglang.api import (
     check_payload,
     generate_payload,
-    init_group_payload,
     parse_sample,
     single_generate_payload,
 )
 from mcore_rl.rollout.sglang.interrupt import Interrupts
-from mcore_rl.rollout.sglang.weight_session import WeightSessions, check_tp_sizes
+from mcore_rl.rollout.sglang.weight_session import WeightSessions, WeightUpdateCalls
 
 log = logging.getLogger(__name__)
 Item = tuple[GenerationRequest, int, str]  # (request, sample index, SGLang rid)
@@ -75,8 +74,8 @@ class SGLangClientConfig:
         return f"SGLangClientConfig(workers={self.worker_urls}, router={self.router_url}, api_key=***)"
 
 
-class AsyncSGLangClient:
-    """Asyncio client; create and use it inside one event loop."""
+class AsyncSGLangClient(WeightUpdateCalls):
+    """Asyncio client; create and use it inside one event loop (weight-update calls: weight_session.py)."""
 
     def __init__(
         self,
@@ -330,31 +329,6 @@ class AsyncSGLangClient:
                     "/abort_request and honour abort_all_requests (a router does not forward aborts)"
                 ) from None
 
-    async def _interrupting(self, coro) -> Any:
-        """Run a weight update; in interrupt mode hold new sends until every worker has answered it."""
-        self.interrupts.begin()
-        try:
-            return await coro
-        finally:
-            self.interrupts.end()
-
-    async def begin_update(self) -> None:
-        """From another thread, around a bucketed (tensor/nccl) update: the interrupt gate lives in this loop, and
-        every worker gets an SGLang weight-update session (weight_session.py)."""
-        self.interrupts.begin()
-        try:
-            await self.sessions.begin()
-        except BaseException:
-            self.interrupts.end()
-            raise
-
-    async def end_update(self) -> None:
-        """Close the sessions (also after a failed update: then that failure is what the caller sees)."""
-        try:
-            await self.sessions.end()
-        finally:
-            self.interrupts.end()
-
     # ------------------------------------------------------------------ control
     async def pause(self, mode: PauseMode = "abort") -> None:
         if mode == "abort":
@@ -382,63 +356,3 @@ class AsyncSGLangClient:
                 return False
 
         return all(await asyncio.gather(*(one(u) for u in self.cfg.worker_urls)))
-
-    async def update_weights_from_disk(self, path: str, version: int, urls: list[str] | None = None) -> None:
-        """Every worker (or only `urls`) loads the folder and tags later tokens with `version`."""
-        payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
-        if urls is None:
-            payload.update(self.interrupts.payload())
-            results = await self._interrupting(self.post_all("/update_weights_from_disk", payload))
-        else:
-            replies = await asyncio.gather(*(self.request("POST", u, "/update_weights_from_disk", payload)
-                                             for u in urls))  # fmt: skip
-            results = dict(zip(urls, replies))
-        for url, res in results.items():
-            if isinstance(res, dict) and res.get("success") is False:
-                raise RuntimeError(f"{url}/update_weights_from_disk failed: {res.get('message')}")
-        self.weight_version = int(version)
-
-    async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
-        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests or self.interrupts.enabled}
-        await self._interrupting(self.post_all("/update_weight_version", payload))
-        self.weight_version = int(version)
-
-    async def update_weights_from_tensor(self, url: str, payload: dict) -> None:
-        """One bucket to one worker: one payload per engine TP rank (checked against its /server_info)."""
-        try:
-            count = len(payload.get("serialized_named_tensors") or [])
-            check_tp_sizes({url: (await self.sessions.server_tp_sizes()).get(url)}, {url: count})
-            res = await self.request("POST", url, "/update_weights_from_tensor", payload)
-            if isinstance(res, dict) and res.get("success") is False:
-                raise RuntimeError(f"{url}/update_weights_from_tensor failed: {res.get('message')}")
-        except BaseException as exc:
-            self.sessions.failed(exc)
-            raise
-
-    async def init_weights_update_group(
-        self, master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
-    ) -> None:
-        """Tell worker i to join as ranks [1 + sum(tp[:i]), ...) of a group whose rank 0 is the trainer.
-
-        First each worker leaves a group of that name (a previous trainer's), and each worker's TP size must be
-        the one the world size counts (a wrong one hangs the rendezvous)."""
-        check_tp_sizes(await self.sessions.server_tp_sizes(), dict(zip(self.cfg.worker_urls, tp_sizes)))
-        await self.sessions.destroy_group(group_name)
-        world = 1 + sum(tp_sizes)
-        offsets = list(itertools.accumulate([1, *tp_sizes[:-1]]))
-        await asyncio.gather(
-            *(
-                self.request(
-                    "POST", url, "/init_weights_update_group",
-                    init_group_payload(master_address, master_port, off, world, group_name, backend),
-                )
-                for url, off in zip(self.cfg.worker_urls, offsets)
-            )
-        )  # fmt: skip
-
-    async def update_weights_from_distributed(self, payload: dict) -> None:
-        try:
-            await self.post_all("/update_weights_from_distributed", payload)
-        except BaseException as exc:
-            self.sessions.failed(exc)
-            raise

@@ -13,10 +13,12 @@ tensor payload count; a wrong one hangs the rendezvous, so it is read from each 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
 from mcore_rl.config.checks import ConfigError
+from mcore_rl.rollout.sglang.api import init_group_payload
 
 if TYPE_CHECKING:
     from mcore_rl.rollout.sglang.client import AsyncSGLangClient
@@ -150,3 +152,96 @@ def check_tp_sizes(served: dict[str, int | None], expected: dict[str, Any]) -> N
         if tp is not None and want is not None and int(want) != tp:
             raise ConfigError(f"rollout.tp_size={want} but worker {url} runs tp_size={tp} (GET /server_info); "
                               f"set rollout.tp_size={tp} or leave it unset")  # fmt: skip
+
+
+class WeightUpdateCalls:
+    """The client's weight-update calls (a mixin of AsyncSGLangClient: uses its request/post_all, cfg, interrupts,
+    sessions, weight_version)."""
+
+    async def _interrupting(self, coro) -> Any:
+        """Run a weight update; in interrupt mode hold new sends until every worker has answered it."""
+        self.interrupts.begin()
+        try:
+            return await coro
+        finally:
+            self.interrupts.end()
+
+    async def begin_update(self) -> None:
+        """From another thread, around a bucketed (tensor/nccl) update: the interrupt gate lives in this loop, and
+        every worker gets an SGLang weight-update session (weight_session.py)."""
+        self.interrupts.begin()
+        try:
+            await self.sessions.begin()
+        except BaseException:
+            self.interrupts.end()
+            raise
+
+    async def end_update(self) -> None:
+        """Close the sessions (also after a failed update: then that failure is what the caller sees)."""
+        try:
+            await self.sessions.end()
+        finally:
+            self.interrupts.end()
+
+    async def update_weights_from_disk(self, path: str, version: int, urls: list[str] | None = None) -> None:
+        """Every worker (or only `urls`) loads the folder and tags later tokens with `version`."""
+        payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
+        if urls is None:
+            payload.update(self.interrupts.payload())
+            results = await self._interrupting(self.post_all("/update_weights_from_disk", payload))
+        else:
+            replies = await asyncio.gather(*(self.request("POST", u, "/update_weights_from_disk", payload)
+                                             for u in urls))  # fmt: skip
+            results = dict(zip(urls, replies))
+        for url, res in results.items():
+            if isinstance(res, dict) and res.get("success") is False:
+                raise RuntimeError(f"{url}/update_weights_from_disk failed: {res.get('message')}")
+        self.weight_version = int(version)
+
+    async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
+        payload = {
+            "new_version": str(version),
+            "abort_all_requests": abort_all_requests or self.interrupts.enabled,
+        }
+        await self._interrupting(self.post_all("/update_weight_version", payload))
+        self.weight_version = int(version)
+
+    async def update_weights_from_tensor(self, url: str, payload: dict) -> None:
+        """One bucket to one worker: one payload per engine TP rank (checked against its /server_info)."""
+        try:
+            count = len(payload.get("serialized_named_tensors") or [])
+            check_tp_sizes({url: (await self.sessions.server_tp_sizes()).get(url)}, {url: count})
+            res = await self.request("POST", url, "/update_weights_from_tensor", payload)
+            if isinstance(res, dict) and res.get("success") is False:
+                raise RuntimeError(f"{url}/update_weights_from_tensor failed: {res.get('message')}")
+        except BaseException as exc:
+            self.sessions.failed(exc)
+            raise
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
+    ) -> None:
+        """Tell worker i to join as ranks [1 + sum(tp[:i]), ...) of a group whose rank 0 is the trainer.
+
+        First each worker leaves a group of that name (a previous trainer's), and each worker's TP size must be
+        the one the world size counts (a wrong one hangs the rendezvous)."""
+        check_tp_sizes(await self.sessions.server_tp_sizes(), dict(zip(self.cfg.worker_urls, tp_sizes)))
+        await self.sessions.destroy_group(group_name)
+        world = 1 + sum(tp_sizes)
+        offsets = list(itertools.accumulate([1, *tp_sizes[:-1]]))
+        await asyncio.gather(
+            *(
+                self.request(
+                    "POST", url, "/init_weights_update_group",
+                    init_group_payload(master_address, master_port, off, world, group_name, backend),
+                )
+                for url, off in zip(self.cfg.worker_urls, offsets)
+            )
+        )  # fmt: skip
+
+    async def update_weights_from_distributed(self, payload: dict) -> None:
+        try:
+            await self.post_all("/update_weights_from_distributed", payload)
+        except BaseException as exc:
+            self.sessions.failed(exc)
+            raise
