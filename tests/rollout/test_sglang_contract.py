@@ -151,6 +151,10 @@ def test_session_routes_and_stand_in_routes_match_sglang(wheel, tmp_path):
         assert "POST" in table[path][0]
     assert structs[table["/begin_weight_update"][1]] >= {"selector"}
     assert set(SGLANG_TYPES["/end_weight_update"]) <= structs[table["/end_weight_update"][1]]
+    # /server_info = the flat ServerArgs struct (built from namespaces, Parallel among them): `tp_size` top-level
+    assert "tp_size" in struct_fields(_tree(wheel, "sglang/srt/arg_groups/fields/parallel.py"))["Parallel"]
+    args_src = wheel.read("sglang/srt/server_args.py").decode()
+    assert "collect_input_fields(_INPUT_NAMESPACES)" in args_src and "    Parallel,\n" in args_src
     app = build_app(None, {"model_path": str(tmp_path)}, close_engine=False)  # routes only; no engine needed
     served = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
     assert len(served) > 20
