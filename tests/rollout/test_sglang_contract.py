@@ -212,48 +212,6 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def _post(session, url: str, body: dict) -> tuple[int, dict]:
-    async with session.post(url, json=body) as resp:
-        return resp.status, await resp.json(content_type=None)
-
-
-def test_updates_outside_a_session_are_refused_as_sglang_does(server, tiny_dir):
-    import aiohttp
-
-    from mcore_rl.rollout.server import weight_update as wu
-
-    async def scenario():
-        async with aiohttp.ClientSession() as s:
-            out = {
-                "tensor": await _post(
-                    s, server + "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}
-                )
-            }
-            out["dist"] = await _post(s, server + "/update_weights_from_distributed",
-                                      {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]]})  # fmt: skip
-            out["end"] = await _post(s, server + "/end_weight_update", {})
-            out["bad"] = await _post(s, server + "/begin_weight_update", {"selector": "both"})
-            out["begin"] = await _post(s, server + "/begin_weight_update", {"selector": "target"})
-            out["again"] = await _post(s, server + "/begin_weight_update", {})
-            out["close"] = await _post(s, server + "/end_weight_update", {})
-            out["disk"] = await _post(s, server + "/update_weights_from_disk", {"model_path": str(tiny_dir)})
-            return out
-
-    out = run(scenario())
-    assert out["tensor"] == (
-        400,
-        {"success": False, "message": wu.OUTSIDE_SESSION.format(op="update_weights_from_tensor")},
-    )
-    assert out["dist"] == (400, {"success": False,
-                                 "message": wu.OUTSIDE_SESSION.format(op="update_weights_from_distributed")})  # fmt: skip
-    assert out["end"] == (400, {"success": False, "message": wu.NO_SESSION})
-    assert out["bad"][0] == 400 and "selector" in str(out["bad"][1])
-    assert out["begin"] == (200, {"success": True, "message": "Success"})
-    assert out["again"] == (400, {"success": False, "message": wu.SESSION_OPEN})
-    assert out["close"] == (200, {"success": True, "message": "Success"})
-    assert out["disk"][0] == 200 and out["disk"][1]["success"] is True  # disk updates need no session
-
-
 def _state(model) -> list:
     return [(n, t.detach().clone()) for n, t in model.state_dict().items()]
 
