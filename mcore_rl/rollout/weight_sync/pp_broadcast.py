@@ -132,4 +132,6 @@ def sync_stages(policy, engine, version: int, bucket_bytes: int, meter: MemoryMe
             session.__exit__(None, None, None)
     if rank == 0:
         engine.client.weight_version = int(version)
+        engine.sync_mode_seen = "nccl"
+        engine.mark_resynced(engine.cfg.worker_urls)  # every member of every group got these weights
     return sent
