@@ -35,8 +35,9 @@ def run_torchrun(nproc: int, *args: str, log: Path, timeout: int = 600) -> None:
     assert rc == 0, f"torchrun failed ({rc}):\n{log.read_text()[-8000:]}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_servers(tiny_llama_dir, tmp_path_factory):
+    """Fresh servers per test: each must start on the HF weights (the previous test left the trained ones)."""
     cfg = LauncherConfig(
         model_path=str(tiny_llama_dir), num_servers=2, command=MCORE_RL_SERVE_COMMAND + ["--num-threads", "1"],
         log_dir=str(tmp_path_factory.mktemp("serve_logs")), health_timeout_s=120, monitor_interval_s=0.5,
