@@ -105,8 +105,9 @@ def all_gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
 
 
 def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
-    """`t` from global rank `src` on every rank of `group`; returned on `t`'s device (and copied into `t`)."""
-    if not dist.is_initialized():
+    """`t` from global rank `src` on every rank of `group`; returned on `t`'s device (and copied into `t`).
+    A side group (a weight-update group) works without a default group; only the default one may be absent."""
+    if group is None and not dist.is_initialized():
         return t
     dev = group_device(group)
     work = _on(t.detach(), dev).contiguous()

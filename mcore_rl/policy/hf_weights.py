@@ -1,8 +1,9 @@
 """HF weights <-> this rank's Megatron shards, through the model family's adapter.
 
 Loading: every rank builds only the tensors of its own PP stage and slices its TP part (one full tensor at a time).
-Gathering: TP shards are all-gathered inside the TP group, PP stages send their tensors to global rank 0, and the
-adapter turns each full canonical tensor into HF-named tensors. Used by policy init, weight sync and export.
+Gathering (weight_stream.py): one parameter at a time is TP-gathered into a flat bucket and turned into HF-named
+tensors by the adapter; later PP stages send their buckets to global rank 0 one by one. Used by policy init,
+weight sync and export.
 """
 
 from __future__ import annotations
@@ -11,11 +12,20 @@ import re
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
+from mcore_rl import distributed as D
 from mcore_rl.models.base import ModelArgs, ModelFamily
 from mcore_rl.models.llama import canonical_name
 from mcore_rl.policy.build import unwrap
+from mcore_rl.policy.weight_stream import (
+    Bucket,
+    MemoryMeter,
+    entries_from_meta,
+    stage_buckets,
+    stage_src_rank,
+)
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
@@ -88,7 +98,9 @@ def _tp(name: str = ""):
 
 
 @torch.no_grad()
-def load_full_tensors(model, family: ModelFamily, args: ModelArgs, get_full: Callable[[str], torch.Tensor]) -> int:
+def load_full_tensors(
+    model, family: ModelFamily, args: ModelArgs, get_full: Callable[[str], torch.Tensor]
+) -> int:
     """Fill this rank's parameters from full canonical tensors returned by `get_full(canonical_name)`.
 
     Raises with the tensor name and both shapes on any mismatch. Returns the number of tensors loaded.
@@ -98,11 +110,15 @@ def load_full_tensors(model, family: ModelFamily, args: ModelArgs, get_full: Cal
     for local_name, param in gpt.named_parameters():
         name = _global_name(gpt, local_name)
         tp_rank, tp_size = _tp(name)
-        source = "embedding.word_embeddings.weight" if (
-            name == "output_layer.weight" and args.tie_word_embeddings) else name
+        source = (
+            "embedding.word_embeddings.weight"
+            if (name == "output_layer.weight" and args.tie_word_embeddings)
+            else name
+        )
         full = get_full(source).to(torch.float32)
-        full = _pad_vocab(name, full, param.shape[0] * (tp_size if getattr(param, "tensor_model_parallel", False)
-                                                         else 1))
+        full = _pad_vocab(
+            name, full, param.shape[0] * (tp_size if getattr(param, "tensor_model_parallel", False) else 1)
+        )
         shard = _tp_slice(name, full, param, tp_rank, tp_size)
         if tuple(shard.shape) != tuple(param.shape):
             raise ValueError(
@@ -123,93 +139,43 @@ def load_hf_into_model(model, family: ModelFamily, args: ModelArgs, reader) -> i
     return load_full_tensors(model, family, args, get_full)
 
 
-def _gather_tp(name: str, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
+def iter_buckets(
+    model, family: ModelFamily, args: ModelArgs, dst: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    meter: MemoryMeter | None = None,
+) -> Iterator[Bucket]:  # fmt: skip
+    """HF buckets of the whole model on global rank `dst` (= 0); every rank must drive the iterator.
 
-    tp_rank, tp_size = _tp(name)
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return local
-    group = ps.get_expert_tensor_parallel_group() if _is_expert(name) else ps.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    if _is_fc1(name):
-        gates, ups = zip(*(torch.chunk(p, 2, dim=0) for p in parts))
-        return torch.cat([*gates, *ups], dim=0)
-    return torch.cat(parts, dim=param.partition_dim)
-
-
-@torch.no_grad()
-def iter_full_tensors(model, args: ModelArgs, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (canonical name, full tensor) on global rank `dst` only; every rank must drive the iterator.
-
-    Order: pipeline stage by stage. The stage's (tp=0, dp=0) rank sends each gathered tensor to `dst`.
+    Stage by stage: each stage is gathered parameter by parameter into buckets on its (DP=0, TP=0) rank; a later
+    stage's source sends its buckets to rank 0 one at a time over the gloo world group (host memory), so no rank
+    ever holds a whole stage.
     """
     from megatron.core import parallel_state as ps
 
-    gpt = unwrap(model)
-    rank = dist.get_rank()
+    if dst != 0:
+        raise ValueError(f"weights are streamed to global rank 0, not {dst}")
+    rank = D.global_rank()
     pp_size = ps.get_pipeline_model_parallel_world_size()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
+    my_stage = ps.get_pipeline_model_parallel_rank()
     for stage in range(pp_size):
-        if stage == pp_rank:
-            items = []
-            for local_name, param in gpt.named_parameters():
-                name = _global_name(gpt, local_name)
-                if name == "output_layer.weight" and args.tie_word_embeddings:
-                    continue  # the tied copy on the last stage; the embedding is the source of truth
-                full = _gather_tp(name, param.data, param)
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    full = full[: args.vocab_size]
-                if _is_expert(name):
-                    items += _gather_ep(gpt, local_name, full)
+        src = stage_src_rank(stage)
+        if stage == my_stage:
+            for bucket in stage_buckets(model, family, args, bucket_bytes, meter, keep=rank == src):
+                if rank == dst:
+                    yield bucket
                 else:
-                    items.append((name, full))
-        else:
-            items = None
-        if pp_size == 1:
-            if rank == dst:
-                yield from items  # type: ignore[misc]
-            continue
-        # pipeline: the stage's source rank ships names + tensors to dst (object list keeps shapes/dtypes)
-        src_rank = _stage_src_rank(stage)
-        if src_rank == dst:
-            if rank == dst:
-                yield from items  # type: ignore[misc]
-            continue
-        if rank == src_rank:
-            obj = [[(n, t.cpu()) for n, t in items]]  # type: ignore[union-attr]
-            dist.send_object_list(obj, dst=dst)
+                    D.send_object((bucket.meta(), bucket.data[: bucket.used].cpu()), dst)
+            if rank == src and src != dst:
+                D.send_object(None, dst)
         elif rank == dst:
-            obj = [None]
-            dist.recv_object_list(obj, src=src_rank)
-            yield from obj[0]  # type: ignore[misc]
+            while (msg := D.recv_object(src)) is not None:
+                meta, data = msg
+                yield Bucket(data, entries_from_meta(meta), last=meta["last"])
 
 
-def _gather_ep(gpt, local_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One expert weight (TP-gathered) from every EP rank: each holds a different block of experts."""
-    from megatron.core import parallel_state as ps
-
-    m = _LAYER.match(local_name)
-    name = local_name
-    if m:
-        name = f"decoder.layers.{gpt.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
-    _, ep_size = _ep()
-    parts = [full]
-    if ep_size > 1:
-        parts = [torch.empty_like(full) for _ in range(ep_size)]
-        dist.all_gather(parts, full.contiguous(), group=ps.get_expert_model_parallel_group())
-    num_local = _num_local_experts(gpt)
-    return [(canonical_name(_expert_name(name, r, num_local)), t) for r, t in enumerate(parts)]
-
-
-def _stage_src_rank(stage: int) -> int:
-    """Global rank of (pp=stage, tp=0, dp=0) under Megatron's default tp-dp-pp rank order (pp slowest)."""
-    from megatron.core import parallel_state as ps
-
-    return stage * (dist.get_world_size() // ps.get_pipeline_model_parallel_world_size())
-
-
-def iter_hf_tensors(model, family: ModelFamily, args: ModelArgs, dst: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF-named tensors on rank `dst` (the weight-sync / export stream)."""
-    for name, full in iter_full_tensors(model, args, dst):
-        yield from family.to_hf(args, name, full)
+def iter_hf_tensors(
+    model, family: ModelFamily, args: ModelArgs, dst: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    meter: MemoryMeter | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Full HF-named tensors on rank `dst` (the weight-sync / export stream); views into the current bucket."""
+    for bucket in iter_buckets(model, family, args, dst, bucket_bytes, meter):
+        yield from bucket.named_tensors()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,15 @@ async def init_group(request: web.Request) -> web.Response:
 
 
 def _receive(b: dict) -> None:
+    if b.get("load_format") == "flattened_bucket":  # SGLang 0.5.23: one buffer, entries back to back
+        sizes = [math.prod(s) * getattr(torch, d).itemsize for d, s in zip(b["dtypes"], b["shapes"])]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=STATE["group"])
+        offset = 0
+        for name, dtype, shape, n in zip(b["names"], b["dtypes"], b["shapes"], sizes):
+            STATE["weights"][name] = flat[offset : offset + n].view(getattr(torch, dtype)).reshape(shape)
+            offset += n
+        return
     for name, dtype, shape in zip(b["names"], b["dtypes"], b["shapes"]):
         t = torch.empty(shape, dtype=getattr(torch, dtype))
         dist.broadcast(t, src=0, group=STATE["group"])
@@ -47,7 +57,9 @@ def _receive(b: dict) -> None:
 async def update_distributed(request: web.Request) -> web.Response:
     b = await _json(request, "/update_weights_from_distributed")
     await asyncio.get_running_loop().run_in_executor(None, _receive, b)
-    STATE["calls"].append({k: b.get(k) for k in ("names", "weight_version", "flush_cache", "group_name")})
+    STATE["calls"].append(
+        {k: b.get(k) for k in ("names", "weight_version", "flush_cache", "group_name", "load_format")}
+    )
     return web.json_response({"success": True, "message": "ok"})
 
 

@@ -135,7 +135,8 @@ def test_unsupported_and_invalid_requests_are_400_naming_the_field(tiny_engine):
     for (status, text), (_, needle) in zip(out, cases):
         assert status == 400 and needle in text, (needle, status, text)
     assert ok == 200  # neutral values of unimplemented SGLang options are fine
-    assert tensor_status == 400 and "use /update_weights_from_disk" in tensor_text
+    # outside a begin/end_weight_update session, as SGLang 0.5.23 (the session tests: test_sglang_contract.py)
+    assert tensor_status == 400 and "must run between begin_weight_update()" in tensor_text
 
 
 def test_text_input_and_text_logprobs_with_smollm2(smollm2_dir):
@@ -152,3 +153,38 @@ def test_text_input_and_text_logprobs_with_smollm2(smollm2_dir):
     for r in res:
         pieces = "".join(txt for _, _, txt in r["meta_info"]["output_token_logprobs"])
         assert r["text"] and pieces.startswith(r["text"].rstrip("\n"))
+
+
+def test_updates_outside_a_session_are_refused_as_sglang_does(tiny_engine, tiny_dir):
+    """SGLang 0.5.23's weight-update session rules and words (the strings: test_sglang_contract.py); the
+    transports themselves run in test_sglang_contract.py against a server process."""
+    from mcore_rl.rollout.server import weight_update as wu
+
+    calls = [
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}),
+        ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]]}),
+        ("/end_weight_update", {}),
+        ("/begin_weight_update", {"selector": "both"}),
+        ("/begin_weight_update", {"selector": "target"}),
+        ("/begin_weight_update", {}),
+        ("/end_weight_update", {}),
+        ("/update_weights_from_disk", {"model_path": str(tiny_dir)}),
+    ]
+
+    async def scenario(c):
+        out = []
+        for path, body in calls:
+            r = await c.post(path, json=body)
+            out.append((r.status, await r.json()))
+        return out
+
+    tensor, dist, end, bad, begin, again, close, disk = run(tiny_engine, scenario)
+    refused = wu.OUTSIDE_SESSION.format
+    assert tensor == (400, {"success": False, "message": refused(op="update_weights_from_tensor")})
+    assert dist == (400, {"success": False, "message": refused(op="update_weights_from_distributed")})
+    assert end == (400, {"success": False, "message": wu.NO_SESSION})
+    assert bad[0] == 400 and "selector" in str(bad[1])
+    assert begin == (200, {"success": True, "message": "Success"})
+    assert again == (400, {"success": False, "message": wu.SESSION_OPEN})
+    assert close == (200, {"success": True, "message": "Success"})
+    assert disk[0] == 200 and disk[1]["success"] is True  # disk updates need no session

@@ -59,6 +59,7 @@ def reset(base: str) -> None:
     """Undo state a fuzzed call may leave (paused, memory released) so later examples are independent."""
     for path in ("/continue_generation", "/resume_memory_occupation"):
         assert call(base + path, "POST", b"{}") == 200
+    assert call(base + "/end_weight_update", "POST", b"{}") in (200, 400)  # 400: no session was open
 
 
 json_values = st.recursive(

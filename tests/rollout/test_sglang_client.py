@@ -317,3 +317,49 @@ def test_update_weights_from_distributed_with_gloo(tmp_path):
                     assert status == 200 and torch.equal(torch.tensor(json.loads(text)), t.float().flatten())
         finally:
             eng.close()
+
+
+# ---------------------------------------------------------------------- servers before weight-update sessions
+def test_server_without_session_routes_gets_the_older_sequence(caplog):
+    """A server that answers 404 to /begin_weight_update (SGLang < 0.5.23): updates go without a session, the
+    404 is remembered per worker and logged once; a group join first destroys the name (its 404 is fine)."""
+    calls: list[str] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler):
+        calls.append(request.path)  # every request, the 404s too
+        return await handler(request)
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"tp_size": 1})
+
+    async def scenario():
+        app = web.Application(middlewares=[record])
+        app.add_routes([web.post("/update_weights_from_tensor", ok), web.post("/init_weights_update_group", ok),
+                        web.get("/server_info", info)])  # fmt: skip
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        client = AsyncSGLangClient(SGLangClientConfig([url]))
+        try:
+            for _ in range(2):
+                await client.begin_update()
+                await client.update_weights_from_tensor(url, tensor_update_payload(["x"], 1))
+                await client.end_update()
+            await client.init_weights_update_group("127.0.0.1", 1234, [1], "g", "gloo")
+            return client.sessions.legacy == {url}
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    with caplog.at_level("WARNING"):
+        legacy = asyncio.run(scenario())
+    assert legacy
+    assert calls == ["/begin_weight_update", "/server_info", "/update_weights_from_tensor",
+                     "/update_weights_from_tensor", "/destroy_weights_update_group", "/init_weights_update_group"]  # fmt: skip
+    assert sum("has no /begin_weight_update" in r.message for r in caplog.records) == 1

@@ -1,6 +1,7 @@
-"""Colocated tensor sync: one /update_weights_from_tensor payload per engine TP rank, each made from a copy on
-that rank's own device. On CPU the payloads decode in-process; the CUDA check (decode in a second process, as
-the SGLang server does with the IPC handles) needs a GPU and is skipped without one."""
+"""Colocated tensor sync: one /update_weights_from_tensor payload per engine TP rank, each ONE flat bucket
+(SGLang 0.5.23's load_format=flattened_bucket) copied onto that rank's own device. On CPU the payloads decode
+in-process; the CUDA check (decode in a second process, as the SGLang server does with the IPC handles) needs a
+GPU and is skipped without one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 
 from mcore_rl.rollout.sglang.api import SGLANG_FIELDS, serialize_per_rank, tensor_update_payload
 from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
-from mcore_rl.rollout.sglang.weight_transfer import rank_devices
+from mcore_rl.rollout.sglang.weight_transfer import ipc_payload, rank_devices, tensor_payload
+from mcore_rl.rollout.weight_sync import flat_bucket
 
 pytestmark = pytest.mark.rollout
 
@@ -36,6 +38,41 @@ def test_one_payload_per_tp_rank_on_cpu():
         assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, named))
 
 
+def test_flat_bucket_payload_per_tp_rank_on_cpu():
+    named = bucket()
+    payloads, copies = ipc_payload(named, rank_devices(3))
+    assert len(payloads) == 3 and len(copies) == 1  # one flat copy per distinct device, shared by its ranks
+    body = tensor_payload(payloads, 4, flush_cache=True)
+    assert set(body) <= SGLANG_FIELDS["/update_weights_from_tensor"] and body["load_format"] == "flattened_bucket"
+    for p in payloads:
+        got = pickle.loads(base64.b64decode(p))
+        flat, meta = got["flattened_tensor"], got["metadata"]
+        assert flat.dtype == torch.uint8 and flat.dim() == 1 and flat.numel() == 16 * 8 * 4 + 4 * 8 * 2
+        assert [(m.start_idx, m.end_idx, m.numel) for m in meta] == [(0, 512, 512), (512, 576, 64)]
+        assert [m.dtype for m in meta] == [torch.float32, torch.bfloat16]
+        for (n, a), (m, b) in zip(flat_bucket.unflatten(flat, meta), named):
+            assert n == m and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_flat_groups_never_misalign_and_respect_the_size():
+    named = [("a", torch.ones(3, dtype=torch.bfloat16)), ("b", torch.ones(4)), ("c", torch.ones(4)),
+             ("d", torch.ones(100))]  # fmt: skip
+    groups = [[n for n, _ in g] for g in flat_bucket.flat_groups(named, bucket_bytes=40)]
+    # "b" (fp32) would start at byte 6: a new bucket; "d" (400 B) is larger than a bucket: its own
+    assert groups == [["a"], ["b", "c"], ["d"]]
+    with pytest.raises(ValueError, match="unaligned tensor b at byte 6"):
+        flat_bucket.metadata([("a", (3,), torch.bfloat16), ("b", (4,), torch.float32)])
+
+
+def test_each_server_reads_from_its_own_gpus(monkeypatch):
+    """launcher.gpu_ids gives server k GPUs [k*tp, (k+1)*tp): its payloads must be made there (CUDA query
+    patched: the device choice is what is checked)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert rank_devices(2, [4, 5, 6, 7], server=1) == [torch.device("cuda", 6), torch.device("cuda", 7)]
+    assert rank_devices(2, None, server=1) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
 def test_launcher_flags_for_sglang_and_mcore_rl_serve():
     cfg = LauncherConfig(model_path="/m", tp_size=2, memory_saver=True, deterministic=True, api_key="k3y")
     launcher = ServerLauncher(cfg)
@@ -51,9 +88,11 @@ DECODE = r"""
 import base64, sys, torch
 from multiprocessing.reduction import ForkingPickler
 from mcore_rl.rollout.sglang.api import patch_torch_reductions
+from mcore_rl.rollout.weight_sync.flat_bucket import unflatten
 patch_torch_reductions()
 for line in sys.stdin.read().split():
-    named = ForkingPickler.loads(base64.b64decode(line))
+    got = ForkingPickler.loads(base64.b64decode(line))
+    named = unflatten(got["flattened_tensor"], got["metadata"])
     print(" ".join(f"{n}:{t.device}:{float(t.float().sum()):.6f}" for n, t in named))
 """
 
@@ -63,8 +102,8 @@ for line in sys.stdin.read().split():
 def test_cuda_payload_per_rank_decodes_in_another_process():
     named = bucket()
     tp = max(2, torch.cuda.device_count())
-    payloads, alive = serialize_per_rank(named, rank_devices(tp))
-    assert [str(t.device) for c in alive for _, t in c[:1]] == [str(d) for d in rank_devices(tp)]
+    payloads, copies = ipc_payload(named, rank_devices(tp))
+    assert sorted(str(t.device) for t in copies) == sorted({str(d) for d in rank_devices(tp)})
     out = subprocess.run([sys.executable, "-c", DECODE], input="\n".join(payloads), capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -10,85 +10,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import time
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from mcore_rl.rollout.local.engine import LocalEngine
 from mcore_rl.rollout.protocol import PAUSE_MODES, GenerationRequest, SamplingParams
+from mcore_rl.rollout.server import weight_update
 from mcore_rl.rollout.server.codec import BadRequest, as_int_version, parse_generate, render_sample
-from mcore_rl.rollout.sglang.api import SGLANG_TYPES, type_error
+from mcore_rl.rollout.server.state import (
+    STATE,
+    Limits,
+    ServerState,
+    TooBusy,
+    engine_of,
+    in_thread,
+    read_body,
+    writer,
+)
 
 log = logging.getLogger("mcore_rl.serve")
-API_KEY_ENV = "MCORE_RL_API_KEY"  # how the launcher hands the key over (not argv, which `ps` shows to everyone)
+API_KEY_ENV = (
+    "MCORE_RL_API_KEY"  # how the launcher hands the key over (not argv, which `ps` shows to everyone)
+)
 # SGLang leaves these open with --api-key (load balancers and the router probe them without credentials)
 OPEN_PATHS = ("/health", "/metrics")
-
-
-class TooBusy(Exception):
-    """More work than the server's limits allow: HTTP 429 (try later or split the request)."""
-
-
-@dataclass
-class Limits:
-    """What one server takes on. Why: a single oversized or runaway client must not take the server down."""
-
-    max_body_bytes: int = 64 * 2**20  # 413 above this
-    max_samples_per_request: int = 4096  # prompts x n in one /generate; 429 above this
-    max_queued_samples: int = 16384  # samples accepted but not finished, all requests together; 429 above this
-
-
-@dataclass
-class ServerState:
-    engine: LocalEngine
-    info: dict[str, Any]
-    limits: Limits = field(default_factory=Limits)
-    api_key: str | None = None
-    queued: int = 0
-    ignored_fields: set[tuple[str, str]] = field(default_factory=set)
-    # SGLang's model_update_lock: every /generate holds the reader side for its whole life; a weight update with
-    # abort_all_requests aborts them all, then takes the writer side (new /generate calls wait) - no request
-    # ever sees two weight versions. `readers` counts /generate calls inside; `open` is cleared by a writer.
-    readers: int = 0
-    open: asyncio.Event = field(default_factory=asyncio.Event)
-    idle: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-    def __post_init__(self) -> None:
-        self.open.set()
-
-
-STATE = web.AppKey("state", ServerState)
-
-
-def _engine(request: web.Request) -> LocalEngine:
-    return request.app[STATE].engine
-
-
-async def _body(request: web.Request, endpoint: str) -> dict[str, Any]:
-    raw = await request.read()  # aiohttp answers 413 itself above client_max_size
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"{endpoint}: body is not valid JSON ({str(exc)[:200]})") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"{endpoint}: body must be a JSON object, got {type(body).__name__}")
-    state = request.app[STATE]
-    for name in set(body) - set(SGLANG_TYPES[endpoint]):
-        if (endpoint, name) not in state.ignored_fields:  # SGLang ignores unknown top-level fields too
-            state.ignored_fields.add((endpoint, name))
-            log.debug("%s: ignoring unknown top-level field %r (logged once)", endpoint, name)
-    err = type_error(endpoint, body)
-    if err:
-        raise BadRequest(err)
-    return body
 
 
 # ---------------------------------------------------------------------- handlers
@@ -98,15 +47,19 @@ async def generate(request: web.Request) -> web.Response:
     engine = state.engine
     cfg = engine.model.config
     requests, options, single = parse_generate(
-        await _body(request, "/generate"), engine.tokenizer, getattr(cfg, "max_position_embeddings", None),
+        await read_body(request, "/generate"), engine.tokenizer, getattr(cfg, "max_position_embeddings", None),
         getattr(cfg, "vocab_size", None),
     )  # fmt: skip
     count = sum(r.sampling.n for r in requests)
     lim = state.limits
     if count > lim.max_samples_per_request:
-        raise TooBusy(f"/generate: {count} samples (prompts x n) > max_samples_per_request={lim.max_samples_per_request}")
+        raise TooBusy(
+            f"/generate: {count} samples (prompts x n) > max_samples_per_request={lim.max_samples_per_request}"
+        )
     if state.queued + count > lim.max_queued_samples:
-        raise TooBusy(f"/generate: {state.queued} samples queued + {count} > max_queued_samples={lim.max_queued_samples}")
+        raise TooBusy(
+            f"/generate: {state.queued} samples queued + {count} > max_queued_samples={lim.max_queued_samples}"
+        )
     await state.open.wait()  # a weight update holds the writer side
     state.readers += 1
     try:
@@ -137,40 +90,15 @@ async def _generate(request, state: ServerState, requests, options, single: bool
     return web.json_response(out[0] if single else out)
 
 
-async def _in_thread(fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-
-@asynccontextmanager
-async def _writer(state: ServerState, abort_all: bool):
-    """abort_all_requests: abort everything in flight, then hold the writer side of SGLang's model_update_lock
-    (wait until the aborted /generate calls have answered; new ones wait until the update is done). A paused
-    server updates at once, as SGLang does (no lock while paused)."""
-    if not abort_all:
-        yield
-        return
-    state.engine.abort(None)
-    if state.engine.paused:
-        yield
-        return
-    state.open.clear()
-    try:
-        async with state.idle:
-            await state.idle.wait_for(lambda: state.readers == 0)
-        yield
-    finally:
-        state.open.set()
-
-
 async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine = _engine(request)
-    body = await _body(request, "/update_weights_from_disk")
+    engine = engine_of(request)
+    body = await read_body(request, "/update_weights_from_disk")
     if not body.get("model_path"):
         raise BadRequest("/update_weights_from_disk: model_path is required")
     version = as_int_version(body.get("weight_version"), "weight_version")
     try:
-        async with _writer(request.app[STATE], bool(body.get("abort_all_requests"))):
-            await _in_thread(engine.update_weights_from_disk, body["model_path"],
+        async with writer(request.app[STATE], bool(body.get("abort_all_requests"))):
+            await in_thread(engine.update_weights_from_disk, body["model_path"],
                              engine.weight_version if version is None else version)  # fmt: skip
     except (OSError, KeyError, ValueError, RuntimeError) as exc:
         msg = f"Failed to update weights: {exc}"
@@ -180,8 +108,8 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
-    engine = _engine(request)
-    body = await _body(request, "/update_weight_version")
+    engine = engine_of(request)
+    body = await read_body(request, "/update_weight_version")
     version = as_int_version(body.get("new_version"), "new_version")
     if version is None:
         raise BadRequest("/update_weight_version: new_version is required")
@@ -194,57 +122,57 @@ async def update_weight_version(request: web.Request) -> web.Response:
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    body = await _body(request, "/abort_request")
+    body = await read_body(request, "/abort_request")
     if body.get("abort_all"):
-        _engine(request).abort(None)
+        engine_of(request).abort(None)
     elif body.get("rid"):
-        _engine(request).abort(str(body["rid"]))
+        engine_of(request).abort(str(body["rid"]))
     return web.Response(status=200)
 
 
 async def pause_generation(request: web.Request) -> web.Response:
-    mode = (await _body(request, "/pause_generation")).get("mode", "abort")
+    mode = (await read_body(request, "/pause_generation")).get("mode", "abort")
     if mode not in PAUSE_MODES:
         raise BadRequest(f"/pause_generation: mode={mode!r} not in {PAUSE_MODES}")
-    await _in_thread(_engine(request).pause, mode)
+    await in_thread(engine_of(request).pause, mode)
     return web.json_response({"message": "Generation paused successfully."})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    await _body(request, "/continue_generation")
-    _engine(request).resume()
+    await read_body(request, "/continue_generation")
+    engine_of(request).resume()
     return web.json_response({"message": "Generation continued successfully."})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    await _body(request, "/flush_cache")
-    if _engine(request).num_running:
+    await read_body(request, "/flush_cache")
+    if engine_of(request).num_running:
         return web.Response(status=400, text="Cache not flushed because there are pending requests.")
     return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
 
 
 async def release_memory(request: web.Request) -> web.Response:
-    await _body(request, "/release_memory_occupation")
+    await read_body(request, "/release_memory_occupation")
     try:
-        await _in_thread(_engine(request).release_memory)
+        await in_thread(engine_of(request).release_memory)
     except RuntimeError as exc:
         raise BadRequest(f"/release_memory_occupation: {exc}") from None
     return web.Response(status=200)
 
 
 async def resume_memory(request: web.Request) -> web.Response:
-    await _body(request, "/resume_memory_occupation")
-    await _in_thread(_engine(request).resume_memory)
+    await read_body(request, "/resume_memory_occupation")
+    await in_thread(engine_of(request).resume_memory)
     return web.Response(status=200)
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200 if _engine(request).health() else 503)
+    return web.Response(status=200 if engine_of(request).health() else 503)
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """Run a 1-token generate (skipped while paused, where SGLang's check would hang too)."""
-    engine = _engine(request)
+    engine = engine_of(request)
     if not engine.health():
         return web.Response(status=503)
     if engine.paused:
@@ -258,7 +186,7 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    engine, info = _engine(request), request.app[STATE].info
+    engine, info = engine_of(request), request.app[STATE].info
     return web.json_response(
         {
             "model_path": info["model_path"],
@@ -272,7 +200,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     return web.json_response(
         {
             **request.app[STATE].info,
@@ -283,19 +211,12 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def get_weights_by_name(request: web.Request) -> web.Response:
-    body = await _body(request, "/get_weights_by_name")
-    params = dict(_engine(request).model.state_dict())
+    body = await read_body(request, "/get_weights_by_name")
+    params = dict(engine_of(request).model.state_dict())
     if body.get("name") not in params:
         raise BadRequest(f"/get_weights_by_name: unknown tensor name {body.get('name')!r}")
     flat = params[body["name"]].detach().float().flatten()[: int(body.get("truncate_size", 100))]
     return web.json_response(flat.tolist())
-
-
-async def not_supported(request: web.Request) -> web.Response:
-    await _body(request, request.path)  # unknown fields still get their 400 first
-    raise BadRequest(
-        f"{request.path} is not supported by mcore-rl-serve (no NCCL/CUDA IPC); use /update_weights_from_disk"
-    )
 
 
 @web.middleware
@@ -327,10 +248,13 @@ def build_app(
     *,
     limits: Limits | None = None,
     api_key: str | None = None,
+    weight_group_timeout_s: float = weight_update.GROUP_TIMEOUT_S,
 ) -> web.Application:
     limits = limits or Limits()
     app = web.Application(middlewares=[auth, errors], client_max_size=limits.max_body_bytes)
     app[STATE] = ServerState(engine, info, limits, api_key or None)
+    app[weight_update.GROUP_TIMEOUT] = float(weight_group_timeout_s)
+    app.on_cleanup.append(weight_update.close_groups)
     post = {
         "/generate": generate,
         "/update_weights_from_disk": update_weights_from_disk,
@@ -338,10 +262,7 @@ def build_app(
         "/abort_request": abort_request,
         "/pause_generation": pause_generation,
         "/continue_generation": continue_generation,
-        "/update_weights_from_tensor": not_supported,
-        "/init_weights_update_group": not_supported,
-        "/update_weights_from_distributed": not_supported,
-        "/destroy_weights_update_group": not_supported,
+        **weight_update.ROUTES,
     }
     both = {
         "/flush_cache": flush_cache,
@@ -361,7 +282,7 @@ def build_app(
     app.add_routes([web.get(p, h) for p, h in {**get, **both}.items()])
 
     async def _close(_: web.Application) -> None:
-        await _in_thread(engine.close)
+        await in_thread(engine.close)
 
     if close_engine:
         app.on_cleanup.append(_close)
@@ -394,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
     p.add_argument("--max-samples-per-request", type=int, default=Limits.max_samples_per_request)
     p.add_argument("--max-queued-samples", type=int, default=Limits.max_queued_samples)
+    p.add_argument("--weight-group-timeout-s", type=float, default=weight_update.GROUP_TIMEOUT_S,
+                   help="rendezvous and broadcast timeout of a joined weight-update group")  # fmt: skip
     # SGLang's flags, accepted so one launcher command line fits both servers. This engine is always seeded
     # per sample, and releases memory without a saver; both are reported in /server_info.
     p.add_argument("--tp-size", type=int, default=1, choices=[1])
@@ -418,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("mcore-rl-serve: http://%s:%d  model=%s  auth=%s", args.host, args.port, args.model_path,
              "on" if key else "off")  # fmt: skip
     web.run_app(
-        build_app(engine, info, limits=limits, api_key=key), host=args.host, port=args.port, print=None,
+        build_app(engine, info, limits=limits, api_key=key, weight_group_timeout_s=args.weight_group_timeout_s),
+        host=args.host, port=args.port, print=None,
         handler_cancellation=True,
     )  # fmt: skip
 

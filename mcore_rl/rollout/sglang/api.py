@@ -13,6 +13,7 @@ import base64
 import importlib
 import io
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ SGLANG_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ("list",), "load_format": ("str",), "flush_cache": ("bool",),
-        "abort_all_requests": ("bool",), "weight_version": _VERSION,
+        "abort_all_requests": ("bool",), "weight_version": _VERSION, "selector": ("str",),
     },
     "/init_weights_update_group": {
         "master_address": ("str",), "master_port": ("int",), "rank_offset": ("int",), "world_size": ("int",),
@@ -54,9 +55,12 @@ SGLANG_TYPES: dict[str, dict[str, tuple[str, ...]]] = {
     "/update_weights_from_distributed": {
         "names": ("list[str]",), "dtypes": ("list[str]",), "shapes": ("list[list[int]]",), "group_name": ("str",),
         "flush_cache": ("bool",), "abort_all_requests": ("bool",), "weight_version": _VERSION,
-        "load_format": ("str",),
+        "load_format": ("str",), "selector": ("str",),
     },
     "/destroy_weights_update_group": {"group_name": ("str",)},
+    # 0.5.23: tensor/distributed updates only between these two (BeginWeightUpdateReqInput, EndWeightUpdateReqInput)
+    "/begin_weight_update": {"selector": ("str",)},
+    "/end_weight_update": {},
     "/update_weight_version": {"new_version": _VERSION, "abort_all_requests": ("bool",)},
     "/get_weights_by_name": {"name": ("str",), "truncate_size": ("int",)},
     "/abort_request": {"rid": ("str",), "abort_all": ("bool",)},
@@ -242,12 +246,33 @@ def bucket_named_tensors(
         yield bucket
 
 
-def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's MultiprocessingSerializer format: base64 of a ForkingPickler dump (CUDA IPC handles on GPU)."""
+@contextmanager
+def _cpu_shared_by_name() -> Iterator[None]:
+    """CPU tensors pickle as shared-memory FILE NAMES (torch's `file_system` strategy) for the dump's duration.
+
+    Why: the default `file_descriptor` strategy passes descriptors through this process's resource sharer, which
+    only a child process (same authkey) can reach; a server started on its own opens a file name. CUDA
+    tensors are unaffected (IPC handles either way).
+    """
+    import torch.multiprocessing as tmp
+
+    old = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        tmp.set_sharing_strategy(old)
+
+
+def serialize_named_tensors(named_tensors: Any) -> str:
+    """SGLang's MultiprocessingSerializer format: base64 of a ForkingPickler dump (CUDA IPC handles on GPU, shared
+    memory file names on CPU) of [(name, tensor)] or a flattened bucket {flattened_tensor, metadata}. The tensors
+    must stay alive until the receiver has loaded them."""
     from multiprocessing.reduction import ForkingPickler
 
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(named_tensors)
+    with _cpu_shared_by_name():
+        ForkingPickler(buf).dump(named_tensors)
     return base64.b64encode(buf.getvalue()).decode("utf-8")
 
 
@@ -274,7 +299,8 @@ def serialize_per_rank(
     copies live, so they are returned too; the caller holds them until the server has answered.
     """
     patch_torch_reductions()
-    copies = [[(name, t.detach().to(dev)) for name, t in bucket] for dev in devices]
+    # copy=True: sharing moves a CPU tensor's storage into shared memory in place; never do that to a parameter
+    copies = [[(name, t.detach().to(dev, copy=True)) for name, t in bucket] for dev in devices]
     return [serialize_named_tensors(c) for c in copies], copies
 
 

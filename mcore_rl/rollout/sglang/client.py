@@ -33,11 +33,11 @@ from mcore_rl.rollout.protocol import GenerationRequest, PauseMode, Sample, expa
 from mcore_rl.rollout.sglang.api import (
     check_payload,
     generate_payload,
-    init_group_payload,
     parse_sample,
     single_generate_payload,
 )
 from mcore_rl.rollout.sglang.interrupt import Interrupts
+from mcore_rl.rollout.sglang.weight_session import WeightSessions, WeightUpdateCalls
 
 log = logging.getLogger(__name__)
 Item = tuple[GenerationRequest, int, str]  # (request, sample index, SGLang rid)
@@ -74,8 +74,8 @@ class SGLangClientConfig:
         return f"SGLangClientConfig(workers={self.worker_urls}, router={self.router_url}, api_key=***)"
 
 
-class AsyncSGLangClient:
-    """Asyncio client; create and use it inside one event loop."""
+class AsyncSGLangClient(WeightUpdateCalls):
+    """Asyncio client; create and use it inside one event loop (weight-update calls: weight_session.py)."""
 
     def __init__(
         self,
@@ -92,6 +92,7 @@ class AsyncSGLangClient:
         self.weight_version = int(version)
         self.stats = {"http_retries": 0, "stale_dropped": 0, "regenerated": 0}
         self.interrupts = Interrupts()
+        self.sessions = WeightSessions(self)  # SGLang's begin/end_weight_update around tensor/nccl updates
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._load = dict.fromkeys(config.worker_urls, 0)  # in-flight samples per worker
@@ -156,12 +157,16 @@ class AsyncSGLangClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
+    def live_workers(self) -> list[str]:
+        """Worker URLs, less those known dead or coming back (they get the current weights when they are up)."""
+        if self.tolerate is None:
+            return list(self.cfg.worker_urls)
+        return [u for u in self.cfg.worker_urls if not self.tolerate(u)]
+
     async def post_all(self, endpoint: str, payload: dict, timeout: float | None = None) -> dict[str, Any]:
         """POST the same body to every worker concurrently; raise the first failure that is not tolerated.
         Returns {url: reply} of the workers that answered."""
-        urls = self.cfg.worker_urls
-        if self.tolerate is not None:  # known dead or coming back: it gets the current weights when it is up
-            urls = [u for u in urls if not self.tolerate(u)]
+        urls = self.live_workers()
         results = await asyncio.gather(
             *(self.request("POST", u, endpoint, payload, timeout) for u in urls), return_exceptions=True
         )
@@ -324,21 +329,6 @@ class AsyncSGLangClient:
                     "/abort_request and honour abort_all_requests (a router does not forward aborts)"
                 ) from None
 
-    async def _interrupting(self, coro) -> Any:
-        """Run a weight update; in interrupt mode hold new sends until every worker has answered it."""
-        self.interrupts.begin()
-        try:
-            return await coro
-        finally:
-            self.interrupts.end()
-
-    async def begin_update(self) -> None:
-        """From another thread, around a bucketed (tensor/nccl) update: the gate lives in this loop."""
-        self.interrupts.begin()
-
-    async def end_update(self) -> None:
-        self.interrupts.end()
-
     # ------------------------------------------------------------------ control
     async def pause(self, mode: PauseMode = "abort") -> None:
         if mode == "abort":
@@ -366,47 +356,3 @@ class AsyncSGLangClient:
                 return False
 
         return all(await asyncio.gather(*(one(u) for u in self.cfg.worker_urls)))
-
-    async def update_weights_from_disk(self, path: str, version: int, urls: list[str] | None = None) -> None:
-        """Every worker (or only `urls`) loads the folder and tags later tokens with `version`."""
-        payload = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
-        if urls is None:
-            payload.update(self.interrupts.payload())
-            results = await self._interrupting(self.post_all("/update_weights_from_disk", payload))
-        else:
-            replies = await asyncio.gather(*(self.request("POST", u, "/update_weights_from_disk", payload)
-                                             for u in urls))  # fmt: skip
-            results = dict(zip(urls, replies))
-        for url, res in results.items():
-            if isinstance(res, dict) and res.get("success") is False:
-                raise RuntimeError(f"{url}/update_weights_from_disk failed: {res.get('message')}")
-        self.weight_version = int(version)
-
-    async def update_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
-        payload = {"new_version": str(version), "abort_all_requests": abort_all_requests or self.interrupts.enabled}
-        await self._interrupting(self.post_all("/update_weight_version", payload))
-        self.weight_version = int(version)
-
-    async def update_weights_from_tensor(self, url: str, payload: dict) -> None:
-        res = await self.request("POST", url, "/update_weights_from_tensor", payload)
-        if isinstance(res, dict) and res.get("success") is False:
-            raise RuntimeError(f"{url}/update_weights_from_tensor failed: {res.get('message')}")
-
-    async def init_weights_update_group(
-        self, master_address: str, master_port: int, tp_sizes: list[int], group_name: str, backend: str
-    ) -> None:
-        """Tell worker i to join as ranks [1 + sum(tp[:i]), ...) of a group whose rank 0 is the trainer."""
-        world = 1 + sum(tp_sizes)
-        offsets = list(itertools.accumulate([1, *tp_sizes[:-1]]))
-        await asyncio.gather(
-            *(
-                self.request(
-                    "POST", url, "/init_weights_update_group",
-                    init_group_payload(master_address, master_port, off, world, group_name, backend),
-                )
-                for url, off in zip(self.cfg.worker_urls, offsets)
-            )
-        )  # fmt: skip
-
-    async def update_weights_from_distributed(self, payload: dict) -> None:
-        await self.post_all("/update_weights_from_distributed", payload)

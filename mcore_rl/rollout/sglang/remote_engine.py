@@ -2,10 +2,15 @@
 
 It wraps the asyncio client behind the synchronous protocol with its own event-loop thread, so plain trainer code
 can call it and another thread can abort while generate() blocks. When it launched the servers itself, a server
-that dies is restarted by the launcher and, before it counts as up, gets the newest weights replayed (the last
-folder given to update_weights_from_disk, tagged with the trainer's version); samples it produced meanwhile carry
-an older version and are dropped and generated again by the client. A server that keeps dying stops the run
-with one line (EngineFailure).
+that dies is restarted by the launcher and comes back on the trainer's weights by every transport:
+- disk: before it counts as up it replays the newest folder (the last given to update_weights_from_disk,
+  tagged with the trainer's version);
+- tensor / nccl: the weights live only in the trainer, whose ranks must all take part, so the monitor thread
+  only records the restart and keeps the client off that server (`pending_resync`); the next sync point
+  (`megatron_sync.resync_restarted`, or the next sync_weights) sends it the weights -- nccl first rebuilds every
+  stage group with the new membership.
+Samples a stale server produced meanwhile carry an older version and are dropped and generated again by the
+client. A server that keeps dying stops the run with one line (EngineFailure).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -54,7 +60,9 @@ def read_api_key(api_key_env: str | None = None, api_key_file: str | None = None
 
 @dataclass
 class RemoteStats:
-    regenerated: int  # samples sent again from their prompt after a weight update aborted them (interrupt mode)
+    regenerated: (
+        int  # samples sent again from their prompt after a weight update aborted them (interrupt mode)
+    )
 
 
 @dataclass
@@ -111,6 +119,10 @@ class SGLangEngine:
         """
         api_key = read_api_key(api_key_env, api_key_file)
         self._launcher = None
+        self.gpu_ids: list[int] | None = None  # launcher.gpu_ids: server i's TP ranks sit on [i*tp, (i+1)*tp)
+        self._restarted: set[str] = set()  # restarted servers still on old weights (tensor / nccl)
+        self._regroup: set[str] = set()  # restarted servers that left every broadcast group
+        self.sync_mode_seen = "disk"  # the transport of the last update (what a re-sync uses)
         self._replay: tuple[str, int] | None = None  # newest (folder, version) every server loaded
         self._resync_lock = threading.Lock()
         self._lt = _LoopThread()
@@ -123,6 +135,7 @@ class SGLangEngine:
             self._launcher = ServerLauncher(cfg, on_restart=self._on_restart).start()
             worker_urls, router_url = self._launcher.worker_urls, self._launcher.router_url
             tp_size = cfg.tp_size
+            self.gpu_ids = cfg.gpu_ids
         self.cfg = SGLangClientConfig(worker_urls=list(worker_urls or []), router_url=router_url,
                                       seeded=deterministic, api_key=api_key, **client_kwargs)  # fmt: skip
         self.model_path, self.tp_size = model_path, tp_size
@@ -130,8 +143,13 @@ class SGLangEngine:
         self.nccl = dict(nccl or {})
         self._seeds = random.Random(seed) if seed is not None else None
         tolerate = self._launcher.restarting if self._launcher is not None else None
-        self.client = AsyncSGLangClient(self.cfg, on_payload=on_payload, version=weight_version, tolerate=tolerate)
-        self.groups: dict[str, Any] = {}  # group_name -> process group (NCCL weight sync)
+        self.client = AsyncSGLangClient(
+            self.cfg, on_payload=on_payload, version=weight_version, tolerate=tolerate
+        )
+        self.groups: dict[str, Any] = {}  # group_name -> process group (NCCL weight sync, no PP)
+        self.stage_groups: set[str] = (
+            set()
+        )  # per-PP-stage groups the servers joined (weight_sync/pp_broadcast)
         self.restarts_seen = 0
 
     # ------------------------------------------------------------------ restarts
@@ -141,15 +159,49 @@ class SGLangEngine:
             return
         with self._resync_lock:
             self.restarts_seen += 1
+            if self.groups or self.stage_groups:
+                self._regroup.add(url)
             if self._replay is None:
-                if self.weight_version != 0:
-                    log.error("%s restarted but weights v%d were not sent from a folder (sync_mode=disk): it "
-                              "serves the initial weights; its samples will be dropped as stale", url,
-                              self.weight_version)  # fmt: skip
+                if self.weight_version != 0 or self._regroup:
+                    log.warning("%s restarted on its initial weights: held out of rotation until the trainer "
+                                "re-syncs it (v%d, %s)", url, self.weight_version, self.sync_mode_seen)  # fmt: skip
+                    self._restarted.add(url)
+                    self.client._down_until[url] = float("inf")  # the client picks it again once re-synced
                 return
             path, version = self._replay
             log.warning("%s restarted: replaying weights v%d from %s", url, version, path)
             self._lt.run(self.client.update_weights_from_disk(path, version, urls=[url]))
+
+    def _wait_restarts(self, timeout_s: float = 600.0) -> None:
+        """Block until no server is mid-restart (a group or a payload needs every member up)."""
+        deadline = time.monotonic() + timeout_s
+        while self._launcher is not None and any(self._launcher.restarting(u) for u in self.cfg.worker_urls):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise EngineFailure(f"a rollout server did not come back within {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def pending_resync(self) -> list[str]:
+        """Servers that restarted since the weights they hold were sent (after waiting for them to be up)."""
+        self._wait_restarts()
+        with self._resync_lock:
+            return sorted(self._restarted)
+
+    def take_restarted(self) -> list[str]:
+        """Servers that left the broadcast groups by restarting since the groups were built; clears the record
+        (the caller rebuilds every group)."""
+        self._wait_restarts()
+        with self._resync_lock:
+            out, self._regroup = sorted(self._regroup), set()
+            if out:
+                self.stage_groups.clear()
+            return out
+
+    def mark_resynced(self, urls: Iterable[str]) -> None:
+        with self._resync_lock:
+            for url in urls:
+                self._restarted.discard(url)
+                self.client._down_until[url] = 0.0
 
     def _check_alive(self) -> None:
         msg = self._launcher.failure() if self._launcher is not None else None
@@ -261,19 +313,31 @@ class SGLangEngine:
     def update_weights_from_disk(self, path: str, version: int) -> None:
         with self._resync_lock:
             self._replay = (str(path), int(version))  # first: a server restarting right now gets this one
+            self.sync_mode_seen = "disk"
         self._run(self.client.update_weights_from_disk(path, version))
+        self.mark_resynced(self.cfg.worker_urls)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Colocated CUDA IPC: one payload per engine TP rank, from that rank's GPU (see weight_transfer)."""
-        self._replay = None
-        weight_transfer.send_ipc(self, named_tensors, version)
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, urls: list[str] | None = None
+    ) -> None:
+        """Colocated CUDA IPC (CPU shared memory off GPU): one flat bucket per engine TP rank, each on that
+        rank's own device (see weight_transfer). `urls`: only these servers (a re-sync), else all."""
+        with self._resync_lock:
+            self._replay, self.sync_mode_seen = None, "tensor"
+        targets = list(self.cfg.worker_urls if urls is None else urls)
+        self._wait_restarts()
+        weight_transfer.send_ipc(self, named_tensors, version, targets)
+        self.mark_resynced(targets)
 
     def update_weights_from_distributed(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, group_name: str | None = None
     ) -> None:
-        """Announce each bucket over HTTP while broadcasting its tensors from rank 0 of the group."""
-        self._replay = None
+        """Announce each bucket over HTTP while broadcasting its tensors from rank 0 of the group (no PP; a
+        PP-sharded trainer syncs through megatron_sync, one group per stage)."""
+        with self._resync_lock:
+            self._replay, self.sync_mode_seen = None, "nccl"
         weight_transfer.broadcast(self, named_tensors, version, group_name)
+        self.mark_resynced(self.cfg.worker_urls)
 
     def init_weights_update_group(
         self, master_address: str, master_port: int, group_name: str = "weight_update_group",
@@ -281,8 +345,7 @@ class SGLangEngine:
     ):  # fmt: skip
         """Join every server and this process (rank 0) in a side group for broadcasts; returns the group.
 
-        For pipeline parallelism, each PP stage's source rank makes its own engine client and group (own port
-        and group_name) and calls update_weights_from_distributed with that stage's tensors.
+        A PP-sharded trainer does not call this: megatron_sync builds one group per stage (pp_broadcast.py).
         """
         return weight_transfer.init_group(self, master_address, master_port, group_name, backend)
 

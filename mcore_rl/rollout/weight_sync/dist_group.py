@@ -1,7 +1,7 @@
-"""A side process group between trainer rank 0 and SGLang engine ranks, for NCCL weight broadcast.
+"""A side process group between a trainer rank (group rank 0) and SGLang engine ranks, for NCCL weight broadcast.
 
 Why not `init_process_group`: the trainer already has its default world; the weight-update group is a second,
-independent one. SGLang's server joins with the same recipe (TCP rendezvous, a store prefixed by the group
+independent one (the stage source of each PP stage hosts one; see pp_broadcast.py). SGLang's server joins with the same recipe (TCP rendezvous, a store prefixed by the group
 name, a fresh backend), so both sides meet; the trainer must be rank 0 (it hosts the TCP store).
 Works with gloo too, which is how it is tested on CPU.
 """
@@ -26,10 +26,10 @@ def init_weight_update_group(
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) a standalone process group; independent of any default process group."""
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    # A TCPStore of our own, not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) rendezvous
+    # makes even rank 0 a client of a store it expects the elastic agent to host, and nobody hosts this one.
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)  # fmt: skip
     store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = {"backend_options": None} if "backend_options" in params else {"pg_options": None}

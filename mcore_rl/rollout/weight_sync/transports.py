@@ -3,10 +3,13 @@
 
 disk   -- a versioned safetensors folder (atomic) every server can read, then update_weights_from_disk on the
           engine; old `v<N>` folders are pruned to `keep_versions` after each successful update and stale temp
-          folders from a crashed writer are removed first. Works for any engine and any topology, and is the
-          one a restarted SGLang server can be re-synced from (the engine replays the newest folder).
-tensor -- engine.update_weights: an in-place copy for the local engine; CUDA IPC for colocated SGLang.
-nccl   -- engine.update_weights_from_distributed: a broadcast group between trainer rank 0 and the servers.
+          folders from a crashed writer are removed first. Works for any engine and any topology; a restarted
+          SGLang server replays the newest folder before it counts as up.
+tensor -- engine.update_weights: an in-place copy for the local engine; flat buckets by CUDA IPC (shared memory
+          on CPU) for colocated SGLang.
+nccl   -- engine.update_weights_from_distributed: a broadcast group between trainer rank 0 and the servers. A
+          Megatron trainer with an SGLang engine does not come here: megatron_sync runs one group per PP stage
+          (pp_broadcast.py).
 """
 
 from __future__ import annotations
