@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from mcore_rl.distributed import broadcast
 from mcore_rl.rollout.server.codec import BadRequest, as_int_version
 from mcore_rl.rollout.server.state import STATE, ServerState, in_thread, read_body, writer
 
@@ -204,8 +205,6 @@ def _receive(
     group: Any, announced: list[tuple[str, torch.dtype, list[int]]], fmt: str | None
 ) -> list[tuple[str, torch.Tensor]]:
     """One broadcast per tensor, or (flattened_bucket) one for the whole bucket, from group rank 0."""
-    import torch.distributed as dist
-
     if fmt == FLAT:
         records, offset = [], 0
         for name, dtype, shape in announced:  # SGLang's FlattenedTensorBucket.empty
@@ -219,12 +218,12 @@ def _receive(
         if not records:
             raise ValueError("Cannot create empty tensor bucket")
         flat = torch.empty(offset, dtype=torch.uint8)
-        dist.broadcast(flat, src=0, group=group)
+        broadcast(flat, 0, group)
         return flat_views(flat, records)
     out = []
     for name, dtype, shape in announced:
         t = torch.empty(shape, dtype=dtype)
-        dist.broadcast(t, src=0, group=group)
+        broadcast(t, 0, group)
         out.append((name, t))
     return out
 
