@@ -77,7 +77,7 @@ class SGLangRolloutConfig:
     worker_urls: list[str] = field(default_factory=list)
     router_url: str | None = None   # /generate goes through the router when set
     launcher: SGLangLauncherSettings | None = field(default_factory=SGLangLauncherSettings)
-    tp_size: int = 1                # engine TP per server when not launched here
+    tp_size: int | None = None      # engine TP per server when not launched here (null: GET /server_info)
     deterministic: bool = False     # seeded sampling (launched servers get --enable-deterministic-inference);
     #                                 on in runs with trainer.deterministic=true (engine_determinism below)
     api_key_env: str | None = None  # env var holding the servers' API key; never put the key itself here
@@ -102,7 +102,9 @@ class SGLangRolloutConfig:
             raise ConfigError("rollout: give rollout.worker_urls or rollout.launcher settings")
         if self.sync_mode == "nccl" and not self.nccl:
             raise ConfigError("rollout.sync_mode=nccl needs rollout.nccl={master_address: ..., master_port: ...}")
-        for key in ("keep_versions", "max_concurrency", "batch_size", "tp_size"):
+        for key in ("keep_versions", "max_concurrency", "batch_size"):
             positive(f"rollout.{key}", getattr(self, key))
+        if self.tp_size is not None:
+            positive("rollout.tp_size", self.tp_size)
         for key in ("retries", "stale_retries"):
             positive(f"rollout.{key}", getattr(self, key), allow_zero=True)

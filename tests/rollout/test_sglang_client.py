@@ -122,6 +122,12 @@ def test_sglang_yaml_builds_the_engine(served, tiny_dir):
     with build_engine(name, model_path=str(tiny_dir), seed=5, **kwargs) as eng:
         assert isinstance(eng, SGLangEngine) and eng._launcher is None  # running servers given: no launch
         assert eng.generate([greedy([1, 2, 3], 3)])[0].num_output_tokens == 3
+        assert kwargs["tp_size"] is None and eng.tp_size == 1  # the yaml leaves it to GET /server_info
+    from mcore_rl.config import ConfigError
+
+    with build_engine(name, model_path=str(tiny_dir), seed=5, **{**kwargs, "tp_size": 2}) as eng:
+        with pytest.raises(ConfigError, match=r"rollout.tp_size=2 but worker .* runs tp_size=1"):
+            eng.tp_size  # noqa: B018 -- read when weight sync first needs it: one line, no rendezvous
 
 
 def test_abort_in_flight_request(client, served):

@@ -101,7 +101,7 @@ class SGLangEngine:
         model_path: str | None = None,
         seed: int | None = None,
         bucket_mb: float = 512.0,
-        tp_size: int = 1,
+        tp_size: int | None = None,
         nccl: dict | None = None,
         weight_version: int = 0,
         deterministic: bool = True,
@@ -138,7 +138,7 @@ class SGLangEngine:
             self.gpu_ids = cfg.gpu_ids
         self.cfg = SGLangClientConfig(worker_urls=list(worker_urls or []), router_url=router_url,
                                       seeded=deterministic, api_key=api_key, **client_kwargs)  # fmt: skip
-        self.model_path, self.tp_size = model_path, tp_size
+        self.model_path = model_path
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.nccl = dict(nccl or {})
         self._seeds = random.Random(seed) if seed is not None else None
@@ -146,11 +146,24 @@ class SGLangEngine:
         self.client = AsyncSGLangClient(
             self.cfg, on_payload=on_payload, version=weight_version, tolerate=tolerate
         )
+        # engine TP size: the launched one, else the running servers' own (GET /server_info), read when weight sync
+        # first needs it (external servers may still be starting now); a configured value that disagrees is a
+        # one-line config error then, before any NCCL rendezvous could hang on it
+        self._tp_size: int | None = tp_size
+        self._tp_checked = self._launcher is not None
         self.groups: dict[str, Any] = {}  # group_name -> process group (NCCL weight sync, no PP)
         self.stage_groups: set[str] = (
             set()
         )  # per-PP-stage groups the servers joined (weight_sync/pp_broadcast)
         self.restarts_seen = 0
+
+    @property
+    def tp_size(self) -> int:
+        """Engine TP size per server (payloads per server, broadcast group sizes)."""
+        if not self._tp_checked:
+            self._tp_size = self._lt.run(self.client.sessions.resolve_tp_size(self._tp_size))
+            self._tp_checked = True
+        return int(self._tp_size or 1)
 
     # ------------------------------------------------------------------ restarts
     def _on_restart(self, url: str) -> None:
