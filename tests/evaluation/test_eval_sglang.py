@@ -40,7 +40,9 @@ def test_eval_through_router_and_server_equals_embedded_engine(served, tmp_path,
               "--temperature", "1.0", "--no-progress"]
     urls = "[" + ",".join(f'"{u}"' for u in launcher.worker_urls) + "]"
     proc = eval_inproc(*common, "--rollout", "sglang", "--engine-arg", f"worker_urls={urls}",
-                       "--engine-arg", f"router_url={launcher.router_url}", "--out", str(tmp_path / "sg.jsonl"),
+                       "--engine-arg", f"router_url={launcher.router_url}",
+                       "--engine-arg", "deterministic=true",  # seeded sampling (off by default with SGLang)
+                       "--out", str(tmp_path / "sg.jsonl"),
                        "--samples-out", str(tmp_path / "sg_samples.jsonl"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mean@4" in proc.stdout and "pass@4" in proc.stdout

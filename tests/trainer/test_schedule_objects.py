@@ -45,7 +45,8 @@ def make_run(engine, policy: str = "drop", k: int = 2):
         "deterministic": True, "prompts_per_update": 2, "samples_per_prompt": 2, "max_new_tokens": 4,
         "temperature": 1.0, "top_p": 1.0}})
     alg = build_algorithm({"name": "grpo", "schedule": "async", "max_staleness": k, "stale_policy": policy})
-    run = SimpleNamespace(cfg=cfg, algorithm=alg, engine=engine, data=Prompts(), stop=StopFlag(), version=0, round=0)
+    run = SimpleNamespace(cfg=cfg, deterministic=True, algorithm=alg, engine=engine, data=Prompts(), stop=StopFlag(),
+                          version=0, round=0)
     engine.set_weight_version(0)
     return run, build_schedule(run)
 
