@@ -23,7 +23,7 @@ from report import arm_table, difference_rows, interval_at, machine_lines, plot_
 
 EXP = "mu_grpo_vs_grpo"
 STEPS = 24
-MU = ["algorithm=mu_grpo", "algorithm.stages=4", "algorithm.updates_per_stage=6", "eval.every=6"]
+MU = ["algorithm=mu_grpo", "algorithm.updates_per_stage=6", "eval.every=6"]  # 24 updates = 4 stages
 ARMS = [  # in priority order: a queue cut short still has the headline comparison
     Arm("mu_grpo", "Mu-GRPO, 4 stages x 6 updates", MU, STEPS, save_every=6),
     Arm("grpo_mu4", "GRPO mu=4, recompute anchor", ["algorithm=grpo", "algorithm.kl_coef=0.0",
