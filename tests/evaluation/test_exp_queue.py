@@ -188,6 +188,6 @@ def test_every_arm_composes_and_validates(gpu):
         cfg = compose(overrides)
         validate(cfg)
         assert cfg.seed == 1234 and cfg.trainer.steps == arm.steps, (folder, arm.name)
-        assert cfg.data.name == "chain_sum" and cfg.trainer.resume == "auto" and cfg.trainer.save_every > 0
+        assert cfg.data.name == "basic_arithmetic" and cfg.data.exclude.seed == 1000 and cfg.trainer.resume == "auto" and cfg.trainer.save_every > 0
         if gpu:
             assert cfg.rollout.engine == "sglang" and cfg.model.hf_path.endswith("Qwen2.5-0.5B-Instruct")
