@@ -86,8 +86,13 @@ def probe(run_dir: Path) -> RunState:
     steps = [json.loads(x)["step"] for x in _lines(run_dir / "eval.jsonl")]
     meta = run_dir / "arm.json"
     segs = json.loads(meta.read_text())["segments"] if meta.is_file() else []
-    return RunState(done_steps=done, checkpoint_update=ckpt, last_eval_step=max(steps, default=None),
-                    last_rc=segs[-1]["rc"] if segs else None, has_files=any(run_dir.iterdir()))
+    return RunState(
+        done_steps=done,
+        checkpoint_update=ckpt,
+        last_eval_step=max(steps, default=None),
+        last_rc=segs[-1]["rc"] if segs else None,
+        has_files=any(run_dir.iterdir()),
+    )
 
 
 def _lines(path: Path) -> list[str]:

@@ -25,7 +25,7 @@ def interval_at(per_seed: dict[int, list[dict]], which: str = "last") -> Interva
     return bootstrap_interval(scores) if scores else None
 
 
-def _mean_sd(xs: list[float], spec: str = ".0f") -> str:
+def mean_sd(xs: list[float], spec: str = ".0f") -> str:
     if not xs:
         return "n/a"
     if len(xs) == 1:
@@ -36,9 +36,11 @@ def _mean_sd(xs: list[float], spec: str = ".0f") -> str:
 def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
     """One row per arm: seeds finished, held-out accuracy before and after training with 95% intervals, compute
     (mean ± sd over seeds) and the share of the trainer's time by phase."""
-    lines = ["| arm | seeds | mean@k before | mean@k after [95%] | wall (min) | CPU (min) | FLOPs | "
-             "generate / reward / old-logp / train / sync / switch (% of phase time) | load 1m |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | seeds | mean@k before | mean@k after [95%] | wall (min) | CPU (min) | FLOPs | "
+        "generate / reward / old-logp / train / sync / switch (% of phase time) | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for arm in arms:
         per_seed = evals(exp_dir, arm)
         if not per_seed:
@@ -52,11 +54,13 @@ def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
         split = " / ".join(f"{100 * totals[k] / whole:.0f}" for k in PHASES)
         metas = arm_meta(exp_dir, arm)
         loads = [s["load_mean"] for m in metas.values() for s in m["segments"]]
-        lines.append(f"| {arm.label} | {len(per_seed)} | {before.cell()} | {after.cell()} | "
-                     f"{_mean_sd([r['wallclock_s'] / 60 for r in last], '.1f')} | "
-                     f"{_mean_sd([r['cpu_s'] / 60 for r in last], '.1f')} | "
-                     f"{_mean_sd([r.get('flops', float('nan')) for r in last], '.2e')} | {split} | "
-                     f"{statistics.fmean(loads) if loads else float('nan'):.1f} |")
+        lines.append(
+            f"| {arm.label} | {len(per_seed)} | {before.cell()} | {after.cell()} | "
+            f"{mean_sd([r['wallclock_s'] / 60 for r in last], '.1f')} | "
+            f"{mean_sd([r['cpu_s'] / 60 for r in last], '.1f')} | "
+            f"{mean_sd([r.get('flops', float('nan')) for r in last], '.2e')} | {split} | "
+            f"{statistics.fmean(loads) if loads else float('nan'):.1f} |"
+        )
     return lines
 
 
@@ -81,8 +85,11 @@ def machine_lines(exp_dir: Path, arms: list[Arm]) -> list[str]:
                 seen.setdefault(key, []).append(s["load_mean"])
     if not seen:
         return ["Machine: no runs recorded yet."]
-    return [f"Machine: {k}; {len(v)} segments, 1-minute load average {min(v):.1f}-{max(v):.1f} "
-            f"(mean {statistics.fmean(v):.1f})." for k, v in seen.items()]
+    return [
+        f"Machine: {k}; {len(v)} segments, 1-minute load average {min(v):.1f}-{max(v):.1f} "
+        f"(mean {statistics.fmean(v):.1f})."
+        for k, v in seen.items()
+    ]
 
 
 def plot_curves(exp_dir: Path, arms: list[Arm], out: Path, ylabel: str = "held-out mean@4") -> None:

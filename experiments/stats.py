@@ -47,8 +47,9 @@ def _counts(rng: np.random.Generator, n: int, reps: int) -> np.ndarray:
     return out
 
 
-def bootstrap_interval(scores: Sequence | np.ndarray, reps: int = 4000, level: float = 0.95,
-                       seed: int = 0) -> Interval:
+def bootstrap_interval(
+    scores: Sequence | np.ndarray, reps: int = 4000, level: float = 0.95, seed: int = 0
+) -> Interval:
     """Mean and percentile interval of `scores` ([seeds, prompts], or [seeds]) under the crossed bootstrap.
 
     Deterministic given `seed`. Vectorised: replicate r's statistic is w_s[r] @ S @ w_p[r] / (n_s n_p) with
@@ -75,27 +76,36 @@ def bootstrap_interval(scores: Sequence | np.ndarray, reps: int = 4000, level: f
     return Interval(float(s.mean()), float(lo), float(hi), n_s, n_prompts)
 
 
-def difference_interval(a: Sequence | np.ndarray, b: Sequence | np.ndarray, reps: int = 4000, level: float = 0.95,
-                        seed: int = 0) -> Interval:
+def difference_interval(
+    a: Sequence | np.ndarray, b: Sequence | np.ndarray, reps: int = 4000, level: float = 0.95, seed: int = 0
+) -> Interval:
     """Interval of mean(a) - mean(b) for two arms evaluated on the same prompts ([seeds_a, P], [seeds_b, P]): the
     prompts are resampled jointly (the same draw for both arms, since the prompts are shared), the seeds of each arm
     independently (the arms' seeds are separate runs)."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"difference_interval: need [seeds, prompts] arrays on the same prompts, got {a.shape} "
-                         f"and {b.shape}")
+        raise ValueError(
+            f"difference_interval: need [seeds, prompts] arrays on the same prompts, got {a.shape} "
+            f"and {b.shape}"
+        )
     rng = np.random.default_rng(seed)
-    wa, wb, wp = _counts(rng, a.shape[0], reps), _counts(rng, b.shape[0], reps), _counts(rng, a.shape[1], reps)
+    wa, wb, wp = (
+        _counts(rng, a.shape[0], reps),
+        _counts(rng, b.shape[0], reps),
+        _counts(rng, a.shape[1], reps),
+    )
     n_p = a.shape[1]
-    stats = (np.einsum("rs,sp,rp->r", wa, a, wp) / (a.shape[0] * n_p)
-             - np.einsum("rs,sp,rp->r", wb, b, wp) / (b.shape[0] * n_p))
+    stats = np.einsum("rs,sp,rp->r", wa, a, wp) / (a.shape[0] * n_p) - np.einsum("rs,sp,rp->r", wb, b, wp) / (
+        b.shape[0] * n_p
+    )
     alpha = (1.0 - level) / 2.0
     lo, hi = np.quantile(stats, [alpha, 1.0 - alpha])
     return Interval(float(a.mean() - b.mean()), float(lo), float(hi), min(a.shape[0], b.shape[0]), n_p)
 
 
-def curve(per_seed: dict[int, list[dict]], x_key: str = "step", reps: int = 4000,
-          seed: int = 0) -> list[tuple[float, Interval]]:
+def curve(
+    per_seed: dict[int, list[dict]], x_key: str = "step", reps: int = 4000, seed: int = 0
+) -> list[tuple[float, Interval]]:
     """One arm's accuracy curve with a band: `per_seed[seed]` is that run's eval records, each with `step` and
     `correct` (per-prompt fraction correct; absent: `mean_at_k`, seeds only). Points are the steps every seed
     reached; x is the mean of `x_key` over the seeds at that step (updates are equal, wall-clock is not)."""
@@ -121,5 +131,6 @@ def plot_bands(ax, points: list[tuple[float, Interval]], label: str, x_scale: fl
         return
     xs = [x * x_scale for x, _ in points]
     (line,) = ax.plot(xs, [iv.mean for _, iv in points], marker="o", ms=3, label=label, **line_kw)
-    ax.fill_between(xs, [iv.lo for _, iv in points], [iv.hi for _, iv in points], color=line.get_color(),
-                    alpha=0.2, lw=0)
+    ax.fill_between(
+        xs, [iv.lo for _, iv in points], [iv.hi for _, iv in points], color=line.get_color(), alpha=0.2, lw=0
+    )

@@ -10,7 +10,6 @@ arm spent. See README.md.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from common import Arm, arms_main, evals, first_reaching, git_rev, write_results  # noqa: E402
-from report import arm_table, difference_rows, interval_at, machine_lines, plot_curves  # noqa: E402
+from report import arm_table, difference_rows, interval_at, machine_lines, mean_sd, plot_curves  # noqa: E402
 
 EXP = "mu_grpo_vs_grpo"
 STEPS = 24
@@ -70,9 +69,8 @@ def report(exp_dir: Path = HERE) -> None:
         for name in ran:
             per_seed = evals(exp_dir, by[name])
             wall, cpu = time_to(per_seed, target, "wallclock_s"), time_to(per_seed, target, "cpu_s")
-            fmt = (lambda xs: f"{statistics.fmean(xs):.0f} ± {statistics.stdev(xs):.0f}" if len(xs) > 1
-                   else (f"{xs[0]:.0f}" if xs else "never"))
-            lines.append(f"| {by[name].label} | {len(wall)}/{len(per_seed)} | {fmt(wall)} | {fmt(cpu)} |")
+            lines.append(f"| {by[name].label} | {len(wall)}/{len(per_seed)} | {mean_sd(wall) if wall else 'never'} | "
+                         f"{mean_sd(cpu) if cpu else 'never'} |")
     lines += ["", "![accuracy vs updates and wall-clock](accuracy_vs_time.png)", ""]
     write_results(exp_dir, lines)
 

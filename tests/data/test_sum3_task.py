@@ -29,7 +29,9 @@ def _spec(**changes) -> dict:
 
 def test_heldout_split_is_disjoint_from_training():
     train = _spec()
-    held = _spec(seed=train["seed"] + 1000, size=train["exclude"]["size"])  # what PromptSource._eval_spec derives
+    held = _spec(
+        seed=train["seed"] + 1000, size=train["exclude"]["size"]
+    )  # what PromptSource._eval_spec derives
     assert train["exclude"]["seed"] == held["seed"]
     tq, hq = _questions(train), _questions(held)
     assert len(hq) == held["size"]  # the held-out split is never thinned: it is the one excluded
@@ -49,15 +51,35 @@ def test_exclude_bad_input_names_the_field():
 def test_task_trains_and_evaluates_through_the_cli(tmp_path):
     """One update of the tiny model on the task; the eval record and its per-prompt correctness agree."""
     run_dir = tmp_path / "run"
-    proc = run_module("mcore_rl.train", "model=tiny", "model.dtype=fp32", f"data={TASK}", "trainer.steps=1",
-                      "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8",
-                      "eval.num_prompts=5", "eval.samples_per_prompt=4", "eval.max_new_tokens=8",
-                      "eval.temperature=1.0", "trainer.export_hf=false", "trainer.save_every=0",
-                      "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
-                      f"run.dir={run_dir}", timeout=400)
+    proc = run_module(
+        "mcore_rl.train",
+        "model=tiny",
+        "model.dtype=fp32",
+        f"data={TASK}",
+        "trainer.steps=1",
+        "trainer.prompts_per_update=2",
+        "trainer.samples_per_prompt=2",
+        "trainer.max_new_tokens=8",
+        "eval.num_prompts=5",
+        "eval.samples_per_prompt=4",
+        "eval.max_new_tokens=8",
+        "eval.temperature=1.0",
+        "trainer.export_hf=false",
+        "trainer.save_every=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.tensorboard=false",
+        "data.exclude.seed=1000",
+        "data.exclude.size=64",  # the yaml says 300; 64 excludes fewer training questions (63 of 1024, not 227)
+        f"run.dir={run_dir}",
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "loaded 961/1024 rows; skipped 63 (in_excluded_split=63)" in proc.stdout + proc.stderr
     prompts = read_jsonl(run_dir / "prompts.jsonl")
-    assert prompts and all(pid.startswith(f"rg-") and "-s0-" in pid for r in prompts for pid in r["prompt_ids"])
+    assert prompts and all(
+        pid.startswith("rg-") and "-s0-" in pid for r in prompts for pid in r["prompt_ids"]
+    )
     evals, per_prompt = read_jsonl(run_dir / "eval.jsonl"), read_jsonl(run_dir / "eval_prompts.jsonl")
     assert [r["step"] for r in evals] == [r["step"] for r in per_prompt] == [0, 1]
     for rec, pp in zip(evals, per_prompt):

@@ -17,16 +17,23 @@ import plan  # noqa: E402
 from plan import RunState, decide  # noqa: E402
 
 
-@pytest.mark.parametrize("state, steps, action", [
-    (RunState(), 24, "start"),
-    (RunState(done_steps=24, has_files=True), 24, "skip"),
-    (RunState(done_steps=16, has_files=True), 24, "restart"),  # a marker for fewer updates, no checkpoint
-    (RunState(checkpoint_update=12, last_eval_step=12, last_rc=1, has_files=True), 24, "resume"),
-    (RunState(checkpoint_update=24, last_eval_step=18, last_rc=-9, has_files=True), 24, "resume"),
-    (RunState(last_rc=0, last_eval_step=24, checkpoint_update=24, has_files=True), 24, "finish"),
-    (RunState(last_rc=-15, last_eval_step=0, has_files=True), 24, "restart"),
-    (RunState(done_steps=24, checkpoint_update=24, last_rc=0, last_eval_step=24, has_files=True), 48, "resume"),
-])
+@pytest.mark.parametrize(
+    "state, steps, action",
+    [
+        (RunState(), 24, "start"),
+        (RunState(done_steps=24, has_files=True), 24, "skip"),
+        (RunState(done_steps=16, has_files=True), 24, "restart"),  # a marker for fewer updates, no checkpoint
+        (RunState(checkpoint_update=12, last_eval_step=12, last_rc=1, has_files=True), 24, "resume"),
+        (RunState(checkpoint_update=24, last_eval_step=18, last_rc=-9, has_files=True), 24, "resume"),
+        (RunState(last_rc=0, last_eval_step=24, checkpoint_update=24, has_files=True), 24, "finish"),
+        (RunState(last_rc=-15, last_eval_step=0, has_files=True), 24, "restart"),
+        (
+            RunState(done_steps=24, checkpoint_update=24, last_rc=0, last_eval_step=24, has_files=True),
+            48,
+            "resume",
+        ),
+    ],
+)
 def test_decide(state, steps, action):
     assert decide(state, steps)[0] == action
 
@@ -34,8 +41,12 @@ def test_decide(state, steps, action):
 def test_plan_orders_seeds_outer_and_keeps_each_runs_state():
     states = {("a", 1): RunState(done_steps=8, has_files=True), ("b", 2): RunState(checkpoint_update=4)}
     jobs = plan.plan([("a", 8), ("b", 8)], [1, 2], states)
-    assert [(j.seed, j.arm, j.action) for j in jobs] == [(1, "a", "skip"), (1, "b", "start"), (2, "a", "start"),
-                                                         (2, "b", "resume")]
+    assert [(j.seed, j.arm, j.action) for j in jobs] == [
+        (1, "a", "skip"),
+        (1, "b", "start"),
+        (2, "a", "start"),
+        (2, "b", "resume"),
+    ]
 
 
 def _checkpoint(run_dir: Path, update: int) -> None:
@@ -60,7 +71,7 @@ def test_probe_reads_marker_checkpoint_evals_and_exit_status(tmp_path):
     assert moved.name == "run.interrupted1" and not run.exists() and (moved / "eval.jsonl").exists()
 
 
-FAKE_TRAINER = r'''
+FAKE_TRAINER = r"""
 import json, os, sys
 args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 run = args["hydra.run.dir"]; steps = int(args["trainer.steps"]); every = int(args["trainer.save_every"])
@@ -79,7 +90,7 @@ for step in range(start + 1 if start else 0, steps + 1):
     if step and step % every == 0:
         d = os.path.join(ck, f"step_{step:06d}"); os.makedirs(d)
         open(os.path.join(d, "complete.json"), "w").write('{"files": {}}')
-'''
+"""
 
 
 def test_run_arm_resumes_after_a_crash_and_never_reruns_a_finished_arm(tmp_path, monkeypatch):
@@ -92,9 +103,18 @@ def test_run_arm_resumes_after_a_crash_and_never_reruns_a_finished_arm(tmp_path,
     fake.write_text(FAKE_TRAINER)
     monkeypatch.setattr(common, "EXP_ROOT", tmp_path / "runs")
     monkeypatch.setattr(common, "BASE_OVERRIDES", [])
-    monkeypatch.setattr(common.Arm, "command", lambda self, run_dir, seed, steps=None: [
-        sys.executable, str(fake), f"hydra.run.dir={run_dir}", f"seed={seed}",
-        f"trainer.save_every={self.save_every}", f"trainer.steps={steps or self.steps}"])
+    monkeypatch.setattr(
+        common.Arm,
+        "command",
+        lambda self, run_dir, seed, steps=None: [
+            sys.executable,
+            str(fake),
+            f"hydra.run.dir={run_dir}",
+            f"seed={seed}",
+            f"trainer.save_every={self.save_every}",
+            f"trainer.steps={steps or self.steps}",
+        ],
+    )
     arm = common.Arm("a", "A", [], steps=8, save_every=4)
     run = common.run_dir_for("exp", arm, 7)
 
@@ -135,11 +155,33 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
             recs = []
             for step in (0, 12, 24):
                 correct = np.clip(0.2 + gain * step / 24 + rng.normal(0, 0.2, 16), 0, 1).round(2).tolist()
-                recs.append({"step": step, "mean_at_k": float(np.mean(correct)), "correct": correct,
-                             "wallclock_s": 10.0 * step, "cpu_s": 15.0 * step, "flops": 1e12 * step})
+                recs.append(
+                    {
+                        "step": step,
+                        "mean_at_k": float(np.mean(correct)),
+                        "correct": correct,
+                        "wallclock_s": 10.0 * step,
+                        "cpu_s": 15.0 * step,
+                        "flops": 1e12 * step,
+                    }
+                )
             (d / f"seed{seed}.eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-            (d / f"seed{seed}.arm.json").write_text(json.dumps({"segments": [
-                {"rc": 0, "load_mean": 2.0, "wall_s": 240, "cpu_model": "AMD EPYC", "cpu_count": 2, "host": "h"}]}))
+            (d / f"seed{seed}.arm.json").write_text(
+                json.dumps(
+                    {
+                        "segments": [
+                            {
+                                "rc": 0,
+                                "load_mean": 2.0,
+                                "wall_s": 240,
+                                "cpu_model": "AMD EPYC",
+                                "cpu_count": 2,
+                                "host": "h",
+                            }
+                        ]
+                    }
+                )
+            )
             if seed != 1236 or arm == "mu_grpo":
                 (d / f"seed{seed}.{plan.MARKER}").write_text('{"steps": 24}')
     exp1.report(tmp_path)
@@ -148,7 +190,10 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     for line in text.splitlines():
         if line.startswith("| "):
             rows.setdefault(line.split(" | ")[0][2:], line)  # the per-arm table comes first
-    assert " | 3 | " in rows["Mu-GRPO, 4 stages x 6 updates"] and " | 2 | " in rows["GRPO mu=4, recompute anchor"]
+    assert (
+        " | 3 | " in rows["Mu-GRPO, 4 stages x 6 updates"]
+        and " | 2 | " in rows["GRPO mu=4, recompute anchor"]
+    )
     assert "0 (not run)" in rows["GRPO on-policy (mu=1)"]
     assert text.count(" [0.") + text.count(" [-0.") >= 4  # intervals on before/after cells and the difference
     assert "AMD EPYC, 2 cores" in text
@@ -175,6 +220,7 @@ def test_every_arm_composes_and_validates(gpu):
     """What mcore-rl-train would check before loading a model, for each arm's full override list (CPU and GPU
     profile): a typo in an arm's overrides fails here, not hours into the queue."""
     import common
+
     from mcore_rl.config import validate
     from tests.config.keyscan import compose
 
@@ -188,6 +234,11 @@ def test_every_arm_composes_and_validates(gpu):
         cfg = compose(overrides)
         validate(cfg)
         assert cfg.seed == 1234 and cfg.trainer.steps == arm.steps, (folder, arm.name)
-        assert cfg.data.name == "basic_arithmetic" and cfg.data.exclude.seed == 1000 and cfg.trainer.resume == "auto" and cfg.trainer.save_every > 0
+        assert (
+            cfg.data.name == "basic_arithmetic"
+            and cfg.data.exclude.seed == 1000
+            and cfg.trainer.resume == "auto"
+            and cfg.trainer.save_every > 0
+        )
         if gpu:
             assert cfg.rollout.engine == "sglang" and cfg.model.hf_path.endswith("Qwen2.5-0.5B-Instruct")

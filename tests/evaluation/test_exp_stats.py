@@ -15,8 +15,7 @@ from stats import bootstrap_interval, curve, difference_interval  # noqa: E402
 
 def _crossed(rng: np.random.Generator, n_s: int, n_p: int, mu: float = 0.4) -> np.ndarray:
     """mu + seed effect + prompt effect + noise: the mean over the population of seeds and prompts is mu."""
-    return (mu + rng.normal(0, 0.05, (n_s, 1)) + rng.normal(0, 0.15, (1, n_p))
-            + rng.normal(0, 0.1, (n_s, n_p)))
+    return mu + rng.normal(0, 0.05, (n_s, 1)) + rng.normal(0, 0.15, (1, n_p)) + rng.normal(0, 0.1, (n_s, n_p))
 
 
 def _coverage(n_s: int, n_p: int, trials: int = 300) -> float:
@@ -96,8 +95,10 @@ def test_curve_uses_steps_every_seed_reached():
     def rec(step, wall, correct):
         return {"step": step, "wallclock_s": wall, "correct": correct, "mean_at_k": float(np.mean(correct))}
 
-    per_seed = {1: [rec(0, 0, [0, 0.5]), rec(4, 100, [1, 0.5]), rec(8, 200, [1, 1])],
-                2: [rec(0, 0, [0, 0.25]), rec(4, 120, [0.5, 0.5])]}  # seed 2 was interrupted after step 4
+    per_seed = {
+        1: [rec(0, 0, [0, 0.5]), rec(4, 100, [1, 0.5]), rec(8, 200, [1, 1])],
+        2: [rec(0, 0, [0, 0.25]), rec(4, 120, [0.5, 0.5])],
+    }  # seed 2 was interrupted after step 4
     pts = curve(per_seed, x_key="wallclock_s")
     assert [x for x, _ in pts] == [0.0, 110.0]
     assert pts[1][1].mean == pytest.approx(0.625) and pts[1][1].n_seeds == 2 and pts[1][1].n_prompts == 2
