@@ -1,12 +1,13 @@
-"""Shared by the experiment scripts: run one arm through the real `mcore-rl-train` CLI, record what the machine was
-doing meanwhile, and read the run's eval records back.
+"""Shared by the experiment scripts: run one (arm, seed) through the real `mcore-rl-train` CLI (skipped, resumed or
+started as plan.py decides), record what the machine was doing meanwhile, and read the runs' records back.
 
 Why a wrapper around the CLI and not the trainer's Python API: the experiments must show what a user gets from the
 command line, with the same overrides they would type. Each arm runs in its own process, one after another (never
 concurrently: on a 2-core machine two arms would slow each other and the wall-clock comparison would be meaningless).
 
-Every arm's run directory lives outside the repository (`MCORE_RL_EXP_ROOT`, default /work/exp_runs); only its eval
-records (small jsonl) and selected training metrics are copied into `experiments/<name>/data/`, so `results.md` can
+Every run directory lives outside the repository (`MCORE_RL_EXP_ROOT`, default /work/exp_runs, then
+<exp>/<arm>/seed<N>); only its eval records (small jsonl, per-prompt correctness merged in), arm.json, the DONE
+marker and selected training metrics are copied into `experiments/<name>/data/<arm>/seed<N>.*`, so `results.md` can
 be regenerated from committed files (`--report-only`).
 """
 
