@@ -103,4 +103,6 @@ def plot_curves(exp_dir: Path, arms: list[Arm], out: Path, ylabel: str = "held-o
             ax.set_xlabel(xl)
             ax.grid(alpha=0.3)
         axes[0].set_ylabel(ylabel)
+        for ax in axes:
+            ax.set_title("mean over seeds; band: 95% interval (seeds x held-out prompts)", fontsize=8)
         axes[0].legend(fontsize=7)
