@@ -37,7 +37,7 @@ def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
     """One row per arm: seeds finished, held-out accuracy before and after training with 95% intervals, compute
     (mean ± sd over seeds) and the share of the trainer's time by phase."""
     lines = [
-        "| arm | seeds | mean@k before | mean@k after [95%] | wall (min) | CPU (min) | FLOPs | "
+        "| arm | seeds | mean@k before [95%] | mean@k after [95%] | wall (min) | CPU (min) | FLOPs | "
         "generate / reward / old-logp / train / sync / switch (% of phase time) | load 1m |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -50,8 +50,8 @@ def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
         before, after = interval_at(per_seed, "first"), interval_at(per_seed, "last")
         trains = train_records(exp_dir, arm)
         totals = {k: sum(r.get(k, 0.0) for recs in trains.values() for r in recs) for k in PHASES}
-        whole = sum(totals.values()) or float("nan")
-        split = " / ".join(f"{100 * totals[k] / whole:.0f}" for k in PHASES)
+        whole = sum(totals.values())
+        split = " / ".join(f"{100 * totals[k] / whole:.0f}" for k in PHASES) if whole > 0 else "n/a"
         metas = arm_meta(exp_dir, arm)
         loads = [s["load_mean"] for m in metas.values() for s in m["segments"]]
         lines.append(
@@ -59,7 +59,7 @@ def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
             f"{mean_sd([r['wallclock_s'] / 60 for r in last], '.1f')} | "
             f"{mean_sd([r['cpu_s'] / 60 for r in last], '.1f')} | "
             f"{mean_sd([r.get('flops', float('nan')) for r in last], '.2e')} | {split} | "
-            f"{statistics.fmean(loads) if loads else float('nan'):.1f} |"
+            f"{f'{statistics.fmean(loads):.1f}' if loads else 'n/a'} |"
         )
     return lines
 
