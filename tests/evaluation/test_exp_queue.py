@@ -242,3 +242,31 @@ def test_every_arm_composes_and_validates(gpu):
         )
         if gpu:
             assert cfg.rollout.engine == "sglang" and cfg.model.hf_path.endswith("Qwen2.5-0.5B-Instruct")
+            assert cfg.trainer.prompts_per_update == 32 and cfg.data.options.max_terms == 5  # the profile wins
+
+
+@pytest.mark.slow
+def test_run_arm_resumes_the_real_trainer(tmp_path, monkeypatch):
+    """The real `mcore-rl-train` (tiny model): a run to 1 update, then the same arm asked for 2 resumes from the
+    update-1 checkpoint (one more update, not two), writes its marker, and a third call runs nothing."""
+    import common
+
+    monkeypatch.setattr(common, "EXP_ROOT", tmp_path / "runs")
+    tiny = ["model=tiny", "model.dtype=fp32", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
+            "trainer.max_new_tokens=8", "eval.max_new_tokens=8", "eval.num_prompts=3", "eval.every=1",
+            "algorithm=grpo_cpu"]
+    arm = common.Arm("tiny", "tiny", tiny, steps=2, save_every=1)
+    common.run_arm("exp", arm, 5, steps=1)
+    run = common.run_dir_for("exp", arm, 5)
+    assert json.loads((run / plan.MARKER).read_text())["steps"] == 1
+    common.run_arm("exp", arm, 5)
+    common.run_arm("exp", arm, 5)
+    meta = json.loads((run / "arm.json").read_text())
+    assert [(s["action"], s["rc"]) for s in meta["segments"]] == [("start", 0), ("resume", 0)]
+    assert json.loads((run / plan.MARKER).read_text())["steps"] == 2
+    prompts = common.read_jsonl(run / "prompts.jsonl")
+    assert [r["update"] for r in prompts] == [1, 2]  # the resume trained update 2 only
+    exp_dir = tmp_path / "exp_dir"
+    common.collect(exp_dir, "exp", arm, 5)
+    recs = common.evals(exp_dir, arm)[5]
+    assert [r["step"] for r in recs] == [0, 1, 2] and all(len(r["correct"]) == 3 for r in recs)
