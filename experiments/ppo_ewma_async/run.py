@@ -49,10 +49,10 @@ ARMS = [
             "schedule=async",
             f"algorithm.max_staleness={k}",
             "algorithm.updates_per_rollout=1",
-            "eval.every=4",
+            "eval.every=6",
         ],
         STEPS,
-        save_every=4,
+        save_every=6,
     )
     for k in (4, 2)
     for name, (label, over) in ANCHORS.items()
