@@ -1,12 +1,13 @@
-"""Shared by the experiment scripts: run one arm through the real `mcore-rl-train` CLI, record what the machine was
-doing meanwhile, and read the run's eval records back.
+"""Shared by the experiment scripts: run one (arm, seed) through the real `mcore-rl-train` CLI (skipped, resumed or
+started as plan.py decides), record what the machine was doing meanwhile, and read the runs' records back.
 
 Why a wrapper around the CLI and not the trainer's Python API: the experiments must show what a user gets from the
 command line, with the same overrides they would type. Each arm runs in its own process, one after another (never
 concurrently: on a 2-core machine two arms would slow each other and the wall-clock comparison would be meaningless).
 
-Every arm's run directory lives outside the repository (`MCORE_RL_EXP_ROOT`, default /work/exp_runs); only its eval
-records (small jsonl) and selected training metrics are copied into `experiments/<name>/data/`, so `results.md` can
+Every run directory lives outside the repository (`MCORE_RL_EXP_ROOT`, default /work/exp_runs, then
+<exp>/<arm>/seed<N>); only its eval records (small jsonl, per-prompt correctness merged in), arm.json, the DONE
+marker and selected training metrics are copied into `experiments/<name>/data/<arm>/seed<N>.*`, so `results.md` can
 be regenerated from committed files (`--report-only`).
 """
 
@@ -24,22 +25,33 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-EXP_ROOT = Path(os.environ.get("MCORE_RL_EXP_ROOT", "/work/exp_runs"))
+from plan import MARKER as DONE
+from plan import decide, probe, set_aside, write_marker
 
-# The shrunk main job every arm shares: 4 prompts x 4 samples per update, a+b answers are short (32 new tokens),
-# a 32-prompt held-out set sampled 4 times (mean@4). No HF export, no mid-run checkpoints, no TensorBoard/plots:
-# they cost wall-clock that is not training.
+EXP_ROOT = Path(os.environ.get("MCORE_RL_EXP_ROOT", "/work/exp_runs"))
+# the trainer phases whose per-update seconds every arm keeps (where the time goes)
+PHASES = ("time_generate", "time_reward", "time_old_logp", "time_train", "time_sync", "time_switch")
+SEED_BASE = 1234  # seeds are SEED_BASE, SEED_BASE + 1, ... (`--seeds N` takes the first N)
+
+# The task every arm trains on (experiments/README.md: why, and its measured base rate): a data yaml from
+# hydra_conf/data/ and the response budget its worked answers need. The held-out split is the trainer's default (the
+# same yaml with seed + 1000), which the yaml's `exclude` keeps disjoint from training (tests/data/test_sum3_task.py).
+TASK_OVERRIDES = [
+    "data=sum3",
+    "trainer.max_new_tokens=160",  # answers average 73 tokens; at 96 a quarter were cut off (3.5% at 160)
+    "eval.max_new_tokens=160",
+    "eval.num_prompts=32",  # 32 x 4 worked answers: ~3-6 min per eval on this machine (the a+b eval was ~20 s)
+    "eval.samples_per_prompt=4",
+]
+# The shrunk main job every arm shares: 4 prompts x 4 samples per update. Checkpoints (one kept) so an interrupted
+# arm resumes (trainer.resume=auto); no HF export, TensorBoard or plots: they cost wall-clock that is not training.
 BASE_OVERRIDES = [
-    "seed=1234",
+    *TASK_OVERRIDES,
     "trainer.prompts_per_update=4",
     "trainer.samples_per_prompt=4",
-    "trainer.max_new_tokens=32",
-    "trainer.save_every=0",
+    "trainer.resume=auto",
     "trainer.keep_checkpoints=1",
     "trainer.export_hf=false",
-    "eval.num_prompts=32",
-    "eval.samples_per_prompt=4",
-    "eval.max_new_tokens=32",
     "logging.tensorboard=false",
     "logging.plot=false",
     "logging.progress=false",
@@ -53,11 +65,22 @@ class Arm:
     label: str
     overrides: list[str]
     steps: int
+    save_every: int = 4  # checkpoint cadence: how much an interruption can cost (each save is ~1 s at 135M)
     extra: dict = field(default_factory=dict)
 
-    def command(self, run_dir: Path, steps: int | None = None) -> list[str]:
-        return ["mcore-rl-train", f"hydra.run.dir={run_dir}", *BASE_OVERRIDES, *self.overrides,
-                f"trainer.steps={steps or self.steps}"]
+    def command(self, run_dir: Path, seed: int, steps: int | None = None) -> list[str]:
+        return ["mcore-rl-train", f"hydra.run.dir={run_dir}", *BASE_OVERRIDES, f"seed={seed}",
+                f"trainer.save_every={self.save_every}", *self.overrides, f"trainer.steps={steps or self.steps}"]
+
+
+def seeds_for(n: int) -> list[int]:
+    if n < 1:
+        raise SystemExit(f"--seeds: need at least 1, got {n}")
+    return [SEED_BASE + i for i in range(n)]
+
+
+def run_dir_for(exp: str, arm: Arm, seed: int) -> Path:
+    return EXP_ROOT / exp / arm.name / f"seed{seed}"
 
 
 def _sample_load(stop: threading.Event, out: list[float], every: float = 10.0) -> None:
@@ -66,41 +89,67 @@ def _sample_load(stop: threading.Event, out: list[float], every: float = 10.0) -
         stop.wait(every)
 
 
-def run_arm(exp: str, arm: Arm, steps: int | None = None) -> Path:
-    """Run (or continue: the trainer resumes from the run dir's checkpoint) `arm` up to `steps` updates. A segment
-    already done is skipped. Each segment's wall-clock, the child's CPU-seconds (os.wait4 rusage: the trainer and
-    every process it waited for) and the 1-minute load average sampled every 10 s go to run_dir/arm.json."""
-    steps = steps or arm.steps
-    run_dir = EXP_ROOT / exp / arm.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    meta_path = run_dir / "arm.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"segments": []}
-    if any(s["steps"] >= steps and s["rc"] == 0 for s in meta["segments"]):
-        print(f"[{exp}/{arm.name}] done already ({steps} updates), skipping", flush=True)
-        return run_dir
-    cmd = arm.command(run_dir, steps)
-    print(f"[{exp}/{arm.name}] {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}", flush=True)
+def _segment(run_dir: Path, cmd: list[str], log_name: str) -> dict:
+    """One trainer process: its wall-clock, CPU-seconds (os.wait4 rusage: the trainer and every process it waited
+    for) and the 1-minute load average sampled every 10 s."""
     loads: list[float] = []
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_load, args=(stop, loads), daemon=True)
     t0 = time.time()
-    with open(run_dir / f"train_{steps}.log", "w") as log:
+    with open(run_dir / log_name, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        rc = os.waitstatus_to_exitcode(status)
     stop.set()
     sampler.join()
-    seg = {"steps": steps, "rc": proc.returncode, "wall_s": time.time() - t0, "cpu_user_s": usage.ru_utime,
-           "cpu_sys_s": usage.ru_stime, "load_mean": sum(loads) / max(len(loads), 1),
-           "load_max": max(loads, default=float("nan")), "load_samples": len(loads), "started": t0,
-           "command": cmd}
-    meta["segments"].append(seg)
-    meta_path.write_text(json.dumps(meta, indent=1))
-    print(f"[{exp}/{arm.name}] {time.strftime('%H:%M:%S')} rc={proc.returncode} wall={seg['wall_s']:.0f}s "
-          f"cpu={seg['cpu_user_s'] + seg['cpu_sys_s']:.0f}s load={seg['load_mean']:.1f}", flush=True)
-    if proc.returncode != 0:
-        print(f"[{exp}/{arm.name}] FAILED, see {run_dir}/train_{steps}.log", file=sys.stderr, flush=True)
+    return {"rc": rc, "wall_s": time.time() - t0, "cpu_user_s": usage.ru_utime, "cpu_sys_s": usage.ru_stime,
+            "load_mean": sum(loads) / max(len(loads), 1), "load_max": max(loads, default=float("nan")),
+            "load_samples": len(loads), "started": t0, "command": cmd, **machine()}
+
+
+def machine() -> dict:
+    """What the numbers were measured on: CPU model, cores, and the host name (the load is per segment)."""
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_count": os.cpu_count(), "host": os.uname().nodename}
+
+
+def run_arm(exp: str, arm: Arm, seed: int, steps: int | None = None) -> Path:
+    """Bring one (arm, seed) run to `steps` updates, as plan.decide says: skip a finished one, write a missing
+    marker, resume from the checkpoint, or (re)start. The DONE marker is written atomically after the last eval."""
+    steps = steps or arm.steps
+    run_dir = run_dir_for(exp, arm, seed)
+    action, reason = decide(probe(run_dir), steps)
+    tag = f"[{exp}/{arm.name}/seed{seed}]"
+    print(f"{tag} {action}: {reason}", flush=True)
+    if action == "skip":
+        return run_dir
+    if action == "restart":
+        print(f"{tag} leftovers moved to {set_aside(run_dir)}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = run_dir / "arm.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"segments": []}
+    if action != "finish":
+        cmd = arm.command(run_dir, seed, steps)
+        print(f"{tag} {time.strftime('%H:%M:%S')} {action}: {' '.join(cmd)}", flush=True)
+        seg = {"steps": steps, "action": action, **_segment(run_dir, cmd, f"train_{len(meta['segments'])}.log")}
+        meta["segments"].append(seg)
+        meta_path.write_text(json.dumps(meta, indent=1))
+        print(f"{tag} {time.strftime('%H:%M:%S')} rc={seg['rc']} wall={seg['wall_s']:.0f}s "
+              f"cpu={seg['cpu_user_s'] + seg['cpu_sys_s']:.0f}s load={seg['load_mean']:.1f}", flush=True)
+    state = probe(run_dir)
+    if state.last_rc == 0 and state.last_eval_step is not None and state.last_eval_step >= steps:
+        write_marker(run_dir, {"steps": steps, "seed": seed, "arm": arm.name, "finished": time.time()})
+    else:
+        print(f"{tag} NOT finished (rc={state.last_rc}, last eval at {state.last_eval_step}); see {run_dir}",
+              file=sys.stderr, flush=True)
     return run_dir
 
 
@@ -110,27 +159,54 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def collect(exp_dir: Path, exp: str, arm: Arm, train_keys: tuple[str, ...] = ()) -> None:
-    """Copy the arm's eval records, arm.json and the chosen per-update training metrics into the repository."""
-    run_dir = EXP_ROOT / exp / arm.name
-    data = exp_dir / "data"
-    data.mkdir(exist_ok=True)
-    if (run_dir / "eval.jsonl").exists():
-        shutil.copyfile(run_dir / "eval.jsonl", data / f"{arm.name}.eval.jsonl")
-    if (run_dir / "arm.json").exists():
-        shutil.copyfile(run_dir / "arm.json", data / f"{arm.name}.arm.json")
-    if train_keys and (run_dir / "metrics.jsonl").exists():
-        rows = [{k: r[k] for k in ("step", *train_keys) if k in r} for r in read_jsonl(run_dir / "metrics.jsonl")]
-        (data / f"{arm.name}.train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+def last_per_step(records: list[dict]) -> list[dict]:
+    """A resumed run re-evaluates the updates after its checkpoint: the later record of a step wins."""
+    return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
 
 
-def evals(exp_dir: Path, arm: Arm) -> list[dict]:
-    return read_jsonl(exp_dir / "data" / f"{arm.name}.eval.jsonl")
+def collect(exp_dir: Path, exp: str, arm: Arm, seed: int, train_keys: tuple[str, ...] = ()) -> None:
+    """Copy one run's eval records (per-prompt correctness merged in), arm.json and the chosen per-update training
+    metrics into experiments/<exp>/data/<arm>/seed<N>.*"""
+    run_dir = run_dir_for(exp, arm, seed)
+    data = exp_dir / "data" / arm.name
+    if not (run_dir / "eval.jsonl").exists():
+        return
+    data.mkdir(parents=True, exist_ok=True)
+    per_prompt = {r["step"]: r.get("per_prompt_correct") for r in read_jsonl(run_dir / "eval_prompts.jsonl")}
+    recs = [{**r, "correct": per_prompt[r["step"]]} if per_prompt.get(r["step"]) else r
+            for r in last_per_step(read_jsonl(run_dir / "eval.jsonl"))]
+    (data / f"seed{seed}.eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    for name in ("arm.json", DONE):
+        if (run_dir / name).exists():
+            shutil.copyfile(run_dir / name, data / f"seed{seed}.{name}")
+    if (run_dir / "metrics.jsonl").exists():
+        rows = [{k: r[k] for k in ("step", *train_keys, *PHASES) if k in r}
+                for r in last_per_step(read_jsonl(run_dir / "metrics.jsonl"))]
+        (data / f"seed{seed}.train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def arm_meta(exp_dir: Path, arm: Arm) -> dict:
-    p = exp_dir / "data" / f"{arm.name}.arm.json"
-    return json.loads(p.read_text()) if p.exists() else {"segments": []}
+def evals(exp_dir: Path, arm: Arm) -> dict[int, list[dict]]:
+    """{seed: eval records} from the committed data/ (only finished runs: a DONE marker copy)."""
+    out = {}
+    for f in sorted((exp_dir / "data" / arm.name).glob("seed*.eval.jsonl")):
+        seed = int(f.name.split(".")[0][4:])
+        if (f.parent / f"seed{seed}.{DONE}").exists():
+            out[seed] = read_jsonl(f)
+    return out
+
+
+def arm_meta(exp_dir: Path, arm: Arm) -> dict[int, dict]:
+    out = {}
+    for f in sorted((exp_dir / "data" / arm.name).glob("seed*.arm.json")):
+        out[int(f.name.split(".")[0][4:])] = json.loads(f.read_text())
+    return out
+
+
+def train_records(exp_dir: Path, arm: Arm) -> dict[int, list[dict]]:
+    out = {}
+    for f in sorted((exp_dir / "data" / arm.name).glob("seed*.train.jsonl")):
+        out[int(f.name.split(".")[0][4:])] = read_jsonl(f)
+    return out
 
 
 def first_reaching(records: list[dict], target: float, metric: str = "mean_at_k") -> dict | None:
@@ -177,18 +253,65 @@ def git_rev() -> str:
         return "?"
 
 
+# The GPU profile of every experiment: the same arms on a 0.5B-1.5B instruct model with SGLang rollout, colocated
+# on one GPU (the servers release memory while the trainer runs). `--gpu MODEL_DIR` appends these after the arm's own
+# overrides; run directories go to <exp>_gpu/. The task is harder (more terms, 3 digits): a 0.5B model would
+# saturate the CPU task; measure its base rate first (experiments/README.md).
+GPU_OVERRIDES = [
+    "model=hf",
+    "rollout=sglang",
+    "rollout.launcher.colocate=true",
+    "data.options.max_terms=5",
+    "data.options.max_digits=2",
+    "data.options.operators=[+,-]",
+    "trainer.prompts_per_update=32",
+    "trainer.samples_per_prompt=8",
+    "trainer.max_new_tokens=512",
+    "trainer.token_budget=16384",
+    "eval.max_new_tokens=512",
+    "eval.num_prompts=256",
+    "eval.samples_per_prompt=4",
+]
+
+
+def gpu_arm(arm: Arm, model_dir: str) -> Arm:
+    """The arm with the GPU profile (its own overrides first, so the profile's batch sizes win; the model last)."""
+    return Arm(arm.name, arm.label, [*arm.overrides, *GPU_OVERRIDES, f"model.hf_path={model_dir}"], arm.steps,
+               arm.save_every, arm.extra)
+
+
 def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tuple[str, ...],
               report) -> None:
-    """The CLI every arms experiment shares: run (a subset of) its arms sequentially, then write the report."""
+    """The CLI every arms experiment shares: every (seed, arm) run in queue order (plan.plan: seeds outer), each
+    skipped, resumed or started from what its run directory holds, then the report from data/."""
     import argparse
+
+    from plan import plan
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report-only", action="store_true", help="rebuild results.md/PNG from data/ only")
     ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (names)")
+    ap.add_argument("--seeds", type=int, default=3, help="training seeds per arm (1234, 1235, ...; default 3)")
+    ap.add_argument("--dry-run", action="store_true", help="print what each (seed, arm) would do and stop")
+    ap.add_argument("--gpu", metavar="MODEL_DIR", default=None,
+                    help="the GPU profile (GPU_OVERRIDES) with this HF model folder; runs go to <exp>_gpu/")
     args = ap.parse_args()
+    unknown = sorted(set(args.arms or ()) - {a.name for a in arms})
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; known: {[a.name for a in arms]}")
+    chosen = [a for a in arms if args.arms is None or a.name in args.arms]
+    if args.gpu:
+        chosen, exp, exp_dir = [gpu_arm(a, args.gpu) for a in chosen], f"{exp}_gpu", exp_dir / "gpu"
     if not args.report_only:
-        for arm in arms:
-            if args.arms is None or arm.name in args.arms:
-                run_arm(exp, arm)
-                collect(exp_dir, exp, arm, train_keys)
-    report()
+        seeds = seeds_for(args.seeds)
+        by_name = {a.name: a for a in chosen}
+        states = {(a.name, s): probe(run_dir_for(exp, a, s)) for a in chosen for s in seeds}
+        for job in plan([(a.name, a.steps) for a in chosen], seeds, states):
+            if args.dry_run:
+                print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason})")
+                continue
+            run_arm(exp, by_name[job.arm], job.seed)
+            collect(exp_dir, exp, by_name[job.arm], job.seed, train_keys)
+        if args.dry_run:
+            return
+    report(exp_dir)

@@ -1,11 +1,16 @@
 #!/bin/bash
-# The background queue: every arm of every experiment, one after another (never concurrently).
+# The background queue: every (seed, arm) of every experiment, one run after another (never concurrently).
+# Resumable: rerun the same command after an interruption; finished runs (DONE marker) are skipped, interrupted ones
+# resume from their checkpoint (experiments/plan.py). `--dry-run` prints the plan, nothing runs.
 #   nohup bash experiments/queue.sh > /work/exp_runs/queue.log 2>&1 &
+#   SEEDS=5 bash experiments/queue.sh            # more seeds: seeds 1234..1238, the first 3 reused
+#   GPU_MODEL=/models/Qwen2.5-0.5B-Instruct bash experiments/queue.sh     # the GPU profile (common.GPU_OVERRIDES)
 # CODE (optional): a frozen copy of the repository whose mcore_rl the arms import (e.g. `git archive HEAD | tar -x
-# -C DIR`), so that editing the working tree while the queue runs cannot change (or break) arms not yet started.
+# -C DIR`), so that editing the working tree while the queue runs cannot change (or break) runs not yet started.
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH="${CODE:-$PWD}"
-python experiments/mu_grpo_vs_grpo/run.py
-python experiments/scaling_prediction/run.py
-python experiments/p3o_vs_grpo/run.py
+args=(--seeds "${SEEDS:-3}" ${GPU_MODEL:+--gpu "$GPU_MODEL"} "$@")
+for exp in mu_grpo_vs_grpo ppo_ewma_async p3o_vs_grpo scaling_prediction; do
+    python "experiments/$exp/run.py" "${args[@]}" || echo "$exp: exit $? (continuing with the next experiment)"
+done
 echo "queue done $(date -u)"

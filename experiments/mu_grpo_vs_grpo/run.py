@@ -1,8 +1,11 @@
-"""Mu-GRPO vs GRPO (mu=4) vs on-policy GRPO: held-out accuracy against wall-clock and CPU-seconds, and the time
-each arm needs to first reach a common target accuracy. See README.md.
+"""Mu-GRPO vs GRPO (mu=4) vs on-policy GRPO, plus Mu-GRPO ablations (relaxed clip off, veto off, veto scopes):
+held-out accuracy with 95% intervals over seeds and prompts, against updates and wall-clock, and the compute each
+arm spent. See README.md.
 
-    PYTHONPATH=. python experiments/mu_grpo_vs_grpo/run.py            # run the arms (sequentially), then report
+    PYTHONPATH=. python experiments/mu_grpo_vs_grpo/run.py --seeds 3          # run (resumable), then report
+    PYTHONPATH=. python experiments/mu_grpo_vs_grpo/run.py --dry-run          # what each (seed, arm) would do
     PYTHONPATH=. python experiments/mu_grpo_vs_grpo/run.py --report-only
+    PYTHONPATH=. python experiments/mu_grpo_vs_grpo/run.py --gpu /models/Qwen2.5-0.5B-Instruct   # GPU profile
 """
 
 from __future__ import annotations
@@ -14,142 +17,62 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import (  # noqa: E402
-    Arm,
-    arm_meta,
-    arms_main,
-    collect,
-    evals,
-    figure_panels,
-    first_reaching,
-    fmt,
-    git_rev,
-    write_results,
-)
+from common import Arm, arms_main, evals, first_reaching, git_rev, write_results  # noqa: E402
+from report import arm_table, difference_rows, interval_at, machine_lines, mean_sd, plot_curves  # noqa: E402
 
 EXP = "mu_grpo_vs_grpo"
 STEPS = 24
-ARMS = [
-    Arm("grpo_onpolicy", "GRPO on-policy (mu=1)", ["algorithm=grpo_cpu", "eval.every=2"], STEPS),
+MU = ["algorithm=mu_grpo", "algorithm.updates_per_stage=6", "eval.every=6"]  # 24 updates = 4 stages
+ARMS = [  # in priority order: a queue cut short still has the headline comparison
+    Arm("mu_grpo", "Mu-GRPO, 4 stages x 6 updates", MU, STEPS, save_every=6),
     Arm("grpo_mu4", "GRPO mu=4, recompute anchor", ["algorithm=grpo", "algorithm.kl_coef=0.0",
                                                     "algorithm.updates_per_rollout=4", "eval.every=4"], STEPS),
-    Arm("mu_grpo", "Mu-GRPO, 4 stages x 6 updates", ["algorithm=mu_grpo", "algorithm.stages=4",
-                                                     "algorithm.updates_per_stage=6", "eval.every=6"], STEPS),
+    Arm("grpo_onpolicy", "GRPO on-policy (mu=1)", ["algorithm=grpo_cpu", "eval.every=4"], STEPS),
+    Arm("mu_grpo_clip02", "Mu-GRPO, standard clip [0.8, 1.2]",
+        [*MU, "algorithm.eps_low=0.2", "algorithm.eps_high=0.2"], STEPS, save_every=6),
+    Arm("mu_grpo_noveto", "Mu-GRPO, veto off", [*MU, "algorithm.nav_scope=none"], STEPS, save_every=6),
+    Arm("mu_grpo_veto_H", "Mu-GRPO, veto scope H_kappa", [*MU, "algorithm.nav_scope=H_kappa"], STEPS, save_every=6),
+    Arm("mu_grpo_veto_seq", "Mu-GRPO, veto scope seq", [*MU, "algorithm.nav_scope=seq"], STEPS, save_every=6),
 ]
-FIXED_TARGETS = (0.5, 0.6, 0.7)
-# per-update training metrics kept in data/ (experiment 3 reuses the GRPO arms' clip fractions)
-TRAIN_KEYS = ("pg_clipfrac", "ppo_kl", "ratio_mean", "reward_mean", "grad_norm", "update_ok", "nav_vetoed_frac",
-              "time_generate", "time_train", "time_old_logp")
+TRAIN_KEYS = ("pg_clipfrac", "ppo_kl", "ratio_mean", "reward_mean", "grad_norm", "update_ok", "nav_vetoed_frac")
 
 
-def common_target(per_arm: dict[str, list[dict]]) -> float | None:
-    """The highest accuracy every arm reached at some eval point (min over arms of each arm's best, after the
-    baseline): the strictest target at which all arms have a time."""
-    bests = [max(r["mean_at_k"] for r in recs[1:]) for recs in per_arm.values() if len(recs) > 1]
-    return min(bests) if len(bests) == len(per_arm) else None
+def time_to(per_seed: dict[int, list[dict]], target: float, key: str) -> list[float]:
+    """Each seed's `key` (wall or CPU seconds) at its first eval after the baseline at or above `target`."""
+    hits = [first_reaching(recs[1:], target) for recs in per_seed.values()]
+    return [h[key] for h in hits if h is not None]
 
 
-def time_rows(per_arm: dict[str, list[dict]], target: float) -> list[tuple[str, dict | None]]:
-    return [(name, first_reaching(recs[1:], target)) for name, recs in per_arm.items()]
-
-
-def ratio(a: dict | None, b: dict | None, key: str) -> str:
-    if a is None or b is None:
-        return "n/a"
-    return f"{a[key] / b[key]:.2f}"
-
-
-def crossing(recs: list[dict], target: float, key: str) -> float | None:
-    """`key` (wall or cpu) where the accuracy, linearly interpolated between eval points, first reaches `target`:
-    a finer (and assumption-laden) estimate than the first eval point at or above it."""
-    for a, b in zip(recs, recs[1:]):
-        if b["mean_at_k"] >= target - 1e-12 and a["mean_at_k"] < target:
-            frac = (target - a["mean_at_k"]) / (b["mean_at_k"] - a["mean_at_k"])
-            return a[key] + frac * (b[key] - a[key])
-    return None
-
-
-def plot(per_arm: dict[str, list[dict]], labels: dict[str, str], target: float | None, out: Path) -> None:
-    with figure_panels(out, sharey=True) as axes:
-        for name, recs in per_arm.items():
-            for ax, key in zip(axes, ("wallclock_s", "cpu_s")):
-                ax.plot([r[key] / 60 for r in recs], [r["mean_at_k"] for r in recs], marker="o", label=labels[name])
-        for ax, xl in zip(axes, ("wall-clock (min, eval excluded)", "process CPU-minutes (eval excluded)")):
-            if target is not None:
-                ax.axhline(target, color="gray", ls="--", lw=1)
-            ax.set_xlabel(xl)
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("held-out mean@4")
-        axes[0].legend(fontsize=7)
-
-
-def report() -> None:
-    for arm in ARMS:
-        collect(HERE, EXP, arm, TRAIN_KEYS)
-    per_arm = {a.name: evals(HERE, a) for a in ARMS if evals(HERE, a)}
-    labels = {a.name: a.label for a in ARMS}
-    target = common_target(per_arm)
-    plot(per_arm, labels, target, HERE / "accuracy_vs_time.png")
+def report(exp_dir: Path = HERE) -> None:
+    by = {a.name: a for a in ARMS}
+    finals = {a.name: interval_at(evals(exp_dir, a)) for a in ARMS}
+    ran = {n: iv for n, iv in finals.items() if iv is not None}
+    target = min((iv.mean for iv in ran.values()), default=None)
+    plot_curves(exp_dir, ARMS, exp_dir / "accuracy_vs_time.png")
     lines = [f"# Mu-GRPO vs GRPO: results (generated by run.py at commit {git_rev()}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             "Held-out mean@4 on 32 a+b prompts; `wall` and `cpu` are the run's cumulative wall-clock and process "
-             "CPU-seconds at the eval record, held-out evaluation excluded (compute accounting). `load` is the "
-             "1-minute load average of the 2-core machine.", "",
-             "## Per arm", "",
-             "| arm | updates | evals | mean@4 first -> best -> last | wall (s) | cpu (s) | child CPU total (s) | "
-             "load mean/max |", "|---|---|---|---|---|---|---|---|"]
-    for arm in ARMS:
-        recs = per_arm.get(arm.name, [])
-        meta = arm_meta(HERE, arm)
-        segs = meta["segments"]
-        if not recs:
-            lines.append(f"| {arm.label} | not run | | | | | | |")
-            continue
-        cpu_child = sum(s["cpu_user_s"] + s["cpu_sys_s"] for s in segs)
-        load_mean = sum(s["load_mean"] for s in segs) / max(len(segs), 1)
-        load_max = max((s["load_max"] for s in segs), default=float("nan"))
-        lines.append(f"| {arm.label} | {recs[-1]['step']} | {len(recs)} | {recs[0]['mean_at_k']:.3f} -> "
-                     f"{max(r['mean_at_k'] for r in recs):.3f} -> {recs[-1]['mean_at_k']:.3f} | "
-                     f"{recs[-1]['wallclock_s']:.0f} | {recs[-1]['cpu_s']:.0f} | {cpu_child:.0f} | "
-                     f"{load_mean:.1f} / {load_max:.1f} |")
-    lines += ["", "## Time to first reach a target accuracy", "",
-              "The first eval point (after the baseline) at or above the target. Eval points come at round ends: "
-              "every 2 updates on-policy, every 4 for GRPO mu=4, every 6 (one stage) for Mu-GRPO, so an arm's time "
-              "is an upper bound that is coarser for the arms with larger rounds.", "",
-              "| target | " + " | ".join(f"{labels[n]}: update, wall s, cpu s" for n in per_arm) +
-              " | Mu-GRPO / GRPO mu=4 (wall) | (cpu) | Mu-GRPO / on-policy (wall) | (cpu) |",
-              "|---|" + "---|" * (len(per_arm) + 4)]
-    targets = ([("common", target)] if target is not None else []) + [(str(t), t) for t in FIXED_TARGETS]
-    for tname, t in targets:
-        hits = dict(time_rows(per_arm, t))
-        cells = [f"{h['step']}, {h['wallclock_s']:.0f}, {h['cpu_s']:.0f}" if h else "never" for h in hits.values()]
-        mu, g4, g1 = hits.get("mu_grpo"), hits.get("grpo_mu4"), hits.get("grpo_onpolicy")
-        label = f"{t:.3f} (common)" if tname == "common" else f"{t:.3f}"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio(mu, g4, 'wallclock_s')} | "
-                     f"{ratio(mu, g4, 'cpu_s')} | {ratio(mu, g1, 'wallclock_s')} | {ratio(mu, g1, 'cpu_s')} |")
-    lines += ["", f"Common target = the highest accuracy every arm reached at some eval point: {fmt(target)}. "
-              "Ratios < 1 mean Mu-GRPO got there sooner; n/a: an arm never reached the target.", "",
-              "Interpolated (accuracy linear between eval points; reduces the eval-granularity bias, assumes the curve is straight between points):", "",
-              "| target | " + " | ".join(f"{labels[n]}: wall s, cpu s" for n in per_arm) +
-              " | Mu-GRPO / GRPO mu=4 (wall) | (cpu) | Mu-GRPO / on-policy (wall) | (cpu) |",
-              "|---|" + "---|" * (len(per_arm) + 4)]
-    for tname, t in targets:
-        cx = {n: (crossing(r, t, "wallclock_s"), crossing(r, t, "cpu_s")) for n, r in per_arm.items()}
-        cells = [f"{w:.0f}, {c:.0f}" if w is not None else "never" for w, c in cx.values()]
-        mu, g4, g1 = (cx.get(n, (None, None)) for n in ("mu_grpo", "grpo_mu4", "grpo_onpolicy"))
-        rat = [f"{a / b:.2f}" if a is not None and b is not None else "n/a"
-               for a, b in ((mu[0], g4[0]), (mu[1], g4[1]), (mu[0], g1[0]), (mu[1], g1[1]))]
-        label = f"{t:.3f} (common)" if tname == "common" else f"{t:.3f}"
-        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(rat) + " |")
-    lines += ["",
-              "## Eval records", "", "| arm | update | mean@4 | pass@4 | wall (s) | cpu (s) | load 1m |",
-              "|---|---|---|---|---|---|---|"]
-    for name, recs in per_arm.items():
-        for r in recs:
-            lines.append(f"| {labels[name]} | {r['step']} | {r['mean_at_k']:.3f} | {r['pass_at_k']:.3f} | "
-                         f"{r['wallclock_s']:.0f} | {r['cpu_s']:.0f} | {r.get('loadavg_1m', float('nan')):.1f} |")
-    lines += ["", "![accuracy vs time](accuracy_vs_time.png)", ""]
-    write_results(HERE, lines)
+             "Held-out mean@k before and after training, mean over seeds with a 95% interval (bootstrap over seeds "
+             "and held-out prompts, experiments/stats.py); compute is mean ± sd over seeds; wall and CPU exclude "
+             "held-out evaluation. Only finished runs (DONE marker) count.", "", *machine_lines(exp_dir, ARMS), "",
+             "## Per arm", "", *arm_table(exp_dir, ARMS), "",
+             "## Differences (same held-out prompts, resampled jointly)", "",
+             *difference_rows(exp_dir, [(by["mu_grpo"], by["grpo_mu4"]), (by["mu_grpo"], by["grpo_onpolicy"]),
+                                        (by["mu_grpo"], by["mu_grpo_clip02"]), (by["mu_grpo"], by["mu_grpo_noveto"])]),
+             "", "## Time to the common target", ""]
+    if target is None:
+        lines.append("No arm has finished yet.")
+    else:
+        lines += [f"Target {target:.3f} = the lowest final mean over the finished arms. Per arm: seeds that reached "
+                  "it at an eval point, and the wall-clock / CPU-seconds (mean ± sd over those seeds; eval points "
+                  "come at round ends, so times are upper bounds, coarser for larger rounds).", "",
+                  "| arm | seeds reaching | wall (s) | CPU (s) |", "|---|---|---|---|"]
+        for name in ran:
+            per_seed = evals(exp_dir, by[name])
+            wall, cpu = time_to(per_seed, target, "wallclock_s"), time_to(per_seed, target, "cpu_s")
+            lines.append(f"| {by[name].label} | {len(wall)}/{len(per_seed)} | {mean_sd(wall) if wall else 'never'} | "
+                         f"{mean_sd(cpu) if cpu else 'never'} |")
+    lines += ["", "![accuracy vs updates and wall-clock](accuracy_vs_time.png)", ""]
+    write_results(exp_dir, lines)
 
 
 def main() -> None:

@@ -1,11 +1,9 @@
-"""P3O vs GRPO under increasing off-policyness (mu = 1, 4, 8 optimizer updates per rollout): held-out accuracy and
-P3O's ESS trajectory. See README.md.
+"""P3O vs GRPO under increasing off-policyness (mu = 1, 4, 8 optimizer updates per rollout, and async k=2):
+held-out accuracy with 95% intervals over seeds and prompts, P3O's ESS, GRPO's clip fraction. See README.md.
 
-GRPO at mu=1 and mu=4 are experiment 1's arms (mu_grpo_vs_grpo/data, records up to update 16); this script runs
-P3O at mu=1, 4, 8 and GRPO at mu=8, 16 updates each.
-
-    PYTHONPATH=. python experiments/p3o_vs_grpo/run.py            # run the arms (sequentially), then report
+    PYTHONPATH=. python experiments/p3o_vs_grpo/run.py --seeds 3      # run (resumable), then report
     PYTHONPATH=. python experiments/p3o_vs_grpo/run.py --report-only
+    PYTHONPATH=. python experiments/p3o_vs_grpo/run.py --gpu /models/Qwen2.5-0.5B-Instruct
 """
 
 from __future__ import annotations
@@ -18,115 +16,63 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import Arm, arm_meta, arms_main, collect, figure_panels, git_rev, read_jsonl, write_results  # noqa: E402
+from common import Arm, arms_main, git_rev, train_records, write_results  # noqa: E402
+from report import arm_table, difference_rows, machine_lines, plot_curves  # noqa: E402
 
 EXP = "p3o_vs_grpo"
 STEPS = 16
-EXP1 = HERE.parent / "mu_grpo_vs_grpo" / "data"
 GRPO = ["algorithm=grpo", "algorithm.kl_coef=0.0"]  # PPO-clip eps 0.2, recompute anchor, no KL (paper baseline)
-ARMS = [  # in order of priority (the most off-policy pair first): a queue cut short still has the key comparison
-    Arm("p3o_mu8", "P3O mu=8", ["algorithm=p3o", "algorithm.updates_per_rollout=8", "eval.every=8"], STEPS),
-    Arm("grpo_mu8", "GRPO mu=8", [*GRPO, "algorithm.updates_per_rollout=8", "eval.every=8"], STEPS),
-    Arm("p3o_mu1", "P3O mu=1", ["algorithm=p3o", "algorithm.updates_per_rollout=1", "eval.every=8"], STEPS),
-    Arm("p3o_mu4", "P3O mu=4", ["algorithm=p3o", "algorithm.updates_per_rollout=4", "eval.every=8"], STEPS),
-]
-# (algorithm, mu) -> where its records are: this experiment's data/ or experiment 1's
-GRID = {("GRPO", 1): EXP1 / "grpo_onpolicy", ("GRPO", 4): EXP1 / "grpo_mu4", ("GRPO", 8): HERE / "data" / "grpo_mu8",
-        ("P3O", 1): HERE / "data" / "p3o_mu1", ("P3O", 4): HERE / "data" / "p3o_mu4",
-        ("P3O", 8): HERE / "data" / "p3o_mu8"}
+ASYNC = ["schedule=async", "algorithm.max_staleness=2"]
+
+
+def _pair(mu: int) -> list[Arm]:
+    return [Arm(f"p3o_mu{mu}", f"P3O mu={mu}", ["algorithm=p3o", f"algorithm.updates_per_rollout={mu}",
+                                                "eval.every=8"], STEPS, save_every=8),
+            Arm(f"grpo_mu{mu}", f"GRPO mu={mu}", [*GRPO, f"algorithm.updates_per_rollout={mu}", "eval.every=8"],
+                STEPS, save_every=8)]
+
+
+ARMS = [*_pair(8), *_pair(1), *_pair(4),  # the most off-policy pair first: a queue cut short keeps it
+        Arm("p3o_async2", "P3O async k=2", ["algorithm=p3o", "algorithm.updates_per_rollout=1", *ASYNC,
+                                             "eval.every=8"], STEPS, save_every=8),
+        Arm("grpo_async2", "GRPO async k=2", [*GRPO, "algorithm.updates_per_rollout=1", *ASYNC, "eval.every=8"],
+            STEPS, save_every=8)]
 TRAIN_KEYS = ("ess_factor", "capped_frac", "kl_behavioral", "approx_kl", "pg_clipfrac", "ppo_kl", "ratio_mean",
               "reward_mean", "grad_norm", "update_ok")
 
 
-def records(stem: Path, kind: str) -> list[dict]:
-    return [r for r in read_jsonl(stem.with_name(f"{stem.name}.{kind}.jsonl")) if r["step"] <= STEPS]
+def _stat(exp_dir: Path, arm: Arm, key: str) -> str:
+    """Per seed: the mean and the minimum of `key` over updates; shown as the means over seeds."""
+    per_seed = [[r[key] for r in recs if key in r] for recs in train_records(exp_dir, arm).values()]
+    per_seed = [xs for xs in per_seed if xs]
+    if not per_seed:
+        return "n/a"
+    return (f"{statistics.fmean(statistics.fmean(xs) for xs in per_seed):.3f} / "
+            f"{statistics.fmean(min(xs) for xs in per_seed):.3f}")
 
 
-def mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
-def median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def f3(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
-def plot(out: Path) -> None:
-    with figure_panels(out) as axes:
-        for (alg, mu), stem in GRID.items():
-            ev = records(stem, "eval")
-            if ev:
-                axes[0].plot([r["step"] for r in ev], [r["mean_at_k"] for r in ev], marker="o",
-                             ls="-" if alg == "P3O" else "--", color=f"C{[1, 4, 8].index(mu)}", label=f"{alg} mu={mu}")
-            tr = [r for r in records(stem, "train") if "ess_factor" in r]
-            if tr:
-                axes[1].plot([r["step"] for r in tr], [r["ess_factor"] for r in tr], marker=".",
-                             color=f"C{[1, 4, 8].index(mu)}", label=f"P3O mu={mu}")
-        axes[0].set_xlabel("optimizer update")
-        axes[0].set_ylabel("held-out mean@4")
-        axes[1].set_xlabel("optimizer update")
-        axes[1].set_ylabel("P3O ESS (per update)")
-        for ax in axes:
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-
-
-def report() -> None:
-    for arm in ARMS:
-        collect(HERE, EXP, arm, TRAIN_KEYS)
-    plot(HERE / "accuracy_and_ess.png")
+def report(exp_dir: Path = HERE) -> None:
+    by = {a.name: a for a in ARMS}
+    plot_curves(exp_dir, ARMS, exp_dir / "accuracy.png")
     lines = [f"# P3O vs GRPO under off-policyness: results (generated by run.py at commit {git_rev()}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             f"Held-out mean@4 (32 a+b prompts) over {STEPS} updates. mu = optimizer updates per rollout (the data of "
-             "update j of a round is j-1 updates stale). GRPO: PPO-clip eps=0.2, trainer-recomputed anchor, no KL "
-             "(mu=1 is the on-policy arm of experiment 1, anchored to the engine's log-probs, identical in "
-             "expectation at mu=1). P3O: ESS-capped IS weight + (1-ESS) KL to the behaviour policy, anchored to "
-             "the engine's log-probs, no clip hyper-parameter.", "",
-             "| algorithm | mu | mean@4 at update 0 | best | at update 16 | evals | ESS mean / min | "
-             "capped frac (P3O) or clip frac (GRPO), mean | KL to the anchor, median / max | grad norm median / max | "
-             "non-finite skips |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (alg, mu), stem in sorted(GRID.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        ev, tr = records(stem, "eval"), records(stem, "train")
-        if not ev:
-            lines.append(f"| {alg} | {mu} | not run | | | | | | | | |")
-            continue
-        ess = [r["ess_factor"] for r in tr if "ess_factor" in r]
-        frac_key = "capped_frac" if alg == "P3O" else "pg_clipfrac"
-        frac = [r[frac_key] for r in tr if frac_key in r]
-        kl_key = "kl_behavioral" if alg == "P3O" else "ppo_kl"
-        kl = [r[kl_key] for r in tr if kl_key in r]
-        gn = [r["grad_norm"] for r in tr if "grad_norm" in r]
-        skips = sum(1 for r in tr if r.get("update_ok", 1.0) < 1.0)
-        last = ev[-1]
-        at = "" if last["step"] == STEPS else f" (update {last['step']})"
-        lines.append(f"| {alg} | {mu} | {ev[0]['mean_at_k']:.3f} | {max(r['mean_at_k'] for r in ev):.3f} | "
-                     f"{last['mean_at_k']:.3f}{at} | "
-                     f"{len(ev)} | {f3(mean(ess))} / {f3(min(ess) if ess else None)} | {f3(mean(frac))} | "
-                     f"{f3(median(kl))} / {f3(max(kl) if kl else None)} | {f3(median(gn))} / "
-                     f"{f3(max(gn) if gn else None)} | {skips if tr else 'n/a'} |")
-    lines += ["", "KL to the anchor: GRPO's `ppo_kl` (k1, mean(logp_anchor - logp)) and P3O's `kl_behavioral` (k3 to the "
-              "behaviour policy, before the (1-ESS) weight): different estimators, each a measure of how far the "
-              "policy moved from the data's policy. P3O's capped fraction counts tokens with w > ESS: with ESS < 1 "
-              "that includes most tokens with w ~ 1 (the cap bounds every token's weight).", "",
-              "## P3O ESS per update (KL to the behaviour policy in brackets)", "",
-              "| update | " + " | ".join(f"mu={mu}" for mu in (1, 4, 8)) + " |", "|---|---|---|---|"]
-    by_mu = {mu: {r["step"]: r for r in records(GRID[("P3O", mu)], "train") if "ess_factor" in r} for mu in (1, 4, 8)}
-
-    def cell(r: dict | None) -> str:
-        return "n/a" if r is None else f"{r['ess_factor']:.3f} ({r.get('kl_behavioral', float('nan')):.3g})"
-
-    for step in range(1, STEPS + 1):
-        lines.append(f"| {step} | " + " | ".join(cell(by_mu[mu].get(step)) for mu in (1, 4, 8)) + " |")
-    segs = {a.name: arm_meta(HERE, a)["segments"] for a in ARMS}
-    lines += ["", "Arms run here: " + "; ".join(
-        f"{n}: {s[-1]['wall_s']:.0f} s wall, load {s[-1]['load_mean']:.1f}" for n, s in segs.items() if s), "",
-              "![accuracy and ESS](accuracy_and_ess.png)", ""]
-    write_results(HERE, lines)
+             f"{STEPS} updates per run. mu = optimizer updates per rollout (update j of a round trains on data j-1 "
+             "versions old); async k=2: rollouts generated up to 2 rounds ahead. Accuracy: mean over seeds, 95% "
+             "interval by bootstrap over seeds and held-out prompts; compute mean ± sd over seeds.", "",
+             *machine_lines(exp_dir, ARMS), "", "## Per arm", "", *arm_table(exp_dir, ARMS), "",
+             "## P3O minus GRPO at the same off-policyness", "",
+             *difference_rows(exp_dir, [(by[f"p3o_{s}"], by[f"grpo_{s}"]) for s in ("mu1", "mu4", "mu8", "async2")]),
+             "", "## Stability", "",
+             "Per seed the mean / minimum over updates, averaged over seeds.", "",
+             "| arm | ESS (P3O) | capped frac (P3O) | clip frac (GRPO) | KL to anchor | grad norm |",
+             "|---|---|---|---|---|---|"]
+    for arm in ARMS:
+        kl = "kl_behavioral" if arm.name.startswith("p3o") else "ppo_kl"
+        lines.append(f"| {arm.label} | {_stat(exp_dir, arm, 'ess_factor')} | {_stat(exp_dir, arm, 'capped_frac')} | "
+                     f"{_stat(exp_dir, arm, 'pg_clipfrac')} | {_stat(exp_dir, arm, kl)} | "
+                     f"{_stat(exp_dir, arm, 'grad_norm')} |")
+    lines += ["", "![accuracy](accuracy.png)", ""]
+    write_results(exp_dir, lines)
 
 
 def main() -> None:

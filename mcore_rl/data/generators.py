@@ -55,6 +55,13 @@ class ReasoningGymConfig(PromptStyle):
     size: int = 1024
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # extra create_dataset kwargs (difficulty knobs)
+    # {seed, size}: drop questions that also occur in that split (same task and options), e.g. the training split
+    # excluding the held-out one. Seeds alone do not separate splits: reasoning-gym seeds item i with seed + i (seed
+    # 1000 repeats items 1000.. of a larger seed-0 split) and short problems recur by chance. The split named here
+    # never excludes itself: the trainer derives its held-out spec from the training one (seed + 1000, same keys),
+    # so one yaml with exclude.seed = seed + 1000 gives a training split disjoint from the first `size` held-out
+    # items (tests/data/test_sum3_task.py).
+    exclude: dict[str, int] | None = None
 
 
 def make_reasoning_gym(cfg: ReasoningGymConfig) -> tuple[list[PromptRecord], LoadSummary]:
@@ -67,6 +74,7 @@ def make_reasoning_gym(cfg: ReasoningGymConfig) -> tuple[list[PromptRecord], Loa
         raise ValueError(f"data.name={cfg.name!r}: reasoning_gym.create_dataset failed: {type(e).__name__}: {e}") from e
     source = f"reasoning_gym/{cfg.name}"
     summary = LoadSummary(source=f"{source}(seed={cfg.seed})")
+    excluded = _excluded_questions(cfg)
     records = []
     for i in range(len(ds)):
         entry = ds[i]
@@ -78,8 +86,26 @@ def make_reasoning_gym(cfg: ReasoningGymConfig) -> tuple[list[PromptRecord], Loa
         if answer is None or not str(answer).strip():
             summary.bad(source, i, "empty_answer:answer")
             continue
+        if question in excluded:
+            summary.bad(source, i, f"in_excluded_split:seed={cfg.exclude['seed']}")
+            continue
         meta = {"source": source, **dict(entry.get("metadata") or {})}
         records.append(PromptRecord(f"rg-{cfg.name}-s{cfg.seed}-{i}", build_prompt(question, cfg), str(answer).strip(), meta))
         summary.loaded += 1
     summary.log(logger)
     return records, summary
+
+
+def _excluded_questions(cfg: ReasoningGymConfig) -> set[str]:
+    """The questions of the `exclude` split (same task and options), compared verbatim."""
+    if cfg.exclude is None:
+        return set()
+    ex = dict(cfg.exclude)
+    if set(ex) != {"seed", "size"} or not all(isinstance(v, int) for v in ex.values()) or ex["size"] < 1:
+        raise ValueError(f"data.exclude: expected {{seed: int, size: int >= 1}}, got {ex}")
+    if ex["seed"] == cfg.seed:
+        return set()
+    import reasoning_gym
+
+    other = reasoning_gym.create_dataset(cfg.name, size=ex["size"], seed=ex["seed"], **cfg.options)
+    return {other[i].get("question") for i in range(len(other))}

@@ -53,6 +53,9 @@ def _evaluate_one(engine, reward_fn, hs: HeldOutSet, k: int, temperature: float,
         "k": float(k),
         "num_prompts": float(len(hs.prompts)),
         "response_len": lengths.mean().item(),
+        # per-prompt fraction correct (a list: not a metric; run.py writes it to eval_prompts.jsonl) so that
+        # experiments can bootstrap over held-out prompts as well as seeds
+        "per_prompt_correct": correct.float().mean(1).tolist(),
     }
 
 

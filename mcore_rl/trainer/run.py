@@ -320,6 +320,9 @@ class Run:
             m.update(self.compute.record())
             self._last_heldout = m["mean_at_k"]
             self.logger.log(self.update, m, kind="eval")
+            with (self.run_dir / "eval_prompts.jsonl").open("a") as f:  # the lists the metrics logger drops
+                f.write(json.dumps({"step": self.update, **{k: v for k, v in m.items() if isinstance(v, list)}})
+                        + "\n")
             log.warning("eval @ update %d: mean@%d=%.3f pass@%d=%.3f", self.update, e.samples_per_prompt,
                         m["mean_at_k"], e.samples_per_prompt, m["pass_at_k"])
         if e.every > 0:

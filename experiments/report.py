@@ -1,0 +1,108 @@
+"""The report parts every experiment shares: a per-arm table with 95% intervals over seeds and held-out prompts,
+the compute each arm spent (wall-clock, CPU-seconds, FLOPs) and where its time went, the machine and its load, and
+accuracy curves drawn as bands. Numbers come only from experiments/<name>/data/ (what `--report-only` rebuilds).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from common import PHASES, Arm, arm_meta, evals, figure_panels, train_records
+from stats import Interval, bootstrap_interval, curve, difference_interval, plot_bands
+
+
+def scores_at(per_seed: dict[int, list[dict]], which: str = "last") -> list:
+    """Each seed's per-prompt fractions correct (or its mean@k) at its first or last eval record."""
+    rows = [recs[0] if which == "first" else recs[-1] for recs in per_seed.values() if recs]
+    if rows and all("correct" in r for r in rows) and len({len(r["correct"]) for r in rows}) == 1:
+        return [r["correct"] for r in rows]
+    return [r["mean_at_k"] for r in rows]
+
+
+def interval_at(per_seed: dict[int, list[dict]], which: str = "last") -> Interval | None:
+    scores = scores_at(per_seed, which)
+    return bootstrap_interval(scores) if scores else None
+
+
+def mean_sd(xs: list[float], spec: str = ".0f") -> str:
+    if not xs:
+        return "n/a"
+    if len(xs) == 1:
+        return format(xs[0], spec)
+    return f"{statistics.fmean(xs):{spec}} ± {statistics.stdev(xs):{spec}}"
+
+
+def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
+    """One row per arm: seeds finished, held-out accuracy before and after training with 95% intervals, compute
+    (mean ± sd over seeds) and the share of the trainer's time by phase."""
+    lines = [
+        "| arm | seeds | mean@k before [95%] | mean@k after [95%] | wall (min) | CPU (min) | FLOPs | "
+        "generate / reward / old-logp / train / sync / switch (% of phase time) | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm in arms:
+        per_seed = evals(exp_dir, arm)
+        if not per_seed:
+            lines.append(f"| {arm.label} | 0 (not run) | | | | | | | |")
+            continue
+        last = [recs[-1] for recs in per_seed.values()]
+        before, after = interval_at(per_seed, "first"), interval_at(per_seed, "last")
+        trains = train_records(exp_dir, arm)
+        totals = {k: sum(r.get(k, 0.0) for recs in trains.values() for r in recs) for k in PHASES}
+        whole = sum(totals.values())
+        split = " / ".join(f"{100 * totals[k] / whole:.0f}" for k in PHASES) if whole > 0 else "n/a"
+        metas = arm_meta(exp_dir, arm)
+        loads = [s["load_mean"] for m in metas.values() for s in m["segments"]]
+        lines.append(
+            f"| {arm.label} | {len(per_seed)} | {before.cell()} | {after.cell()} | "
+            f"{mean_sd([r['wallclock_s'] / 60 for r in last], '.1f')} | "
+            f"{mean_sd([r['cpu_s'] / 60 for r in last], '.1f')} | "
+            f"{mean_sd([r.get('flops', float('nan')) for r in last], '.2e')} | {split} | "
+            f"{f'{statistics.fmean(loads):.1f}' if loads else 'n/a'} |"
+        )
+    return lines
+
+
+def difference_rows(exp_dir: Path, pairs: list[tuple[Arm, Arm]]) -> list[str]:
+    """Final accuracy differences of arm pairs on the shared prompts, with 95% intervals (needs per-prompt data)."""
+    lines = ["| comparison | final mean@k difference [95%] |", "|---|---|"]
+    for a, b in pairs:
+        sa, sb = scores_at(evals(exp_dir, a)), scores_at(evals(exp_dir, b))
+        ok = sa and sb and isinstance(sa[0], list) and isinstance(sb[0], list) and len(sa[0]) == len(sb[0])
+        cell = difference_interval(sa, sb).cell("+.3f") if ok else "n/a (not run or no per-prompt data)"
+        lines.append(f"| {a.label} - {b.label} | {cell} |")
+    return lines
+
+
+def machine_lines(exp_dir: Path, arms: list[Arm]) -> list[str]:
+    """Which machine(s) the segments ran on and how loaded it was: wall-clock comparisons depend on both."""
+    seen: dict[str, list[float]] = {}
+    for arm in arms:
+        for meta in arm_meta(exp_dir, arm).values():
+            for s in meta["segments"]:
+                key = f"{s.get('cpu_model', '?')}, {s.get('cpu_count', '?')} cores ({s.get('host', '?')})"
+                seen.setdefault(key, []).append(s["load_mean"])
+    if not seen:
+        return ["Machine: no runs recorded yet."]
+    return [
+        f"Machine: {k}; {len(v)} segments, 1-minute load average {min(v):.1f}-{max(v):.1f} "
+        f"(mean {statistics.fmean(v):.1f})."
+        for k, v in seen.items()
+    ]
+
+
+def plot_curves(exp_dir: Path, arms: list[Arm], out: Path, ylabel: str = "held-out mean@4") -> None:
+    """Accuracy against updates and against wall-clock (mean over seeds), 95% bands over seeds and prompts."""
+    with figure_panels(out, sharey=True) as axes:
+        for arm in arms:
+            per_seed = evals(exp_dir, arm)
+            plot_bands(axes[0], curve(per_seed, "step"), arm.label)
+            plot_bands(axes[1], curve(per_seed, "wallclock_s"), arm.label, x_scale=1 / 60)
+        for ax, xl in zip(axes, ("optimizer updates", "wall-clock (min, held-out eval excluded)")):
+            ax.set_xlabel(xl)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel(ylabel)
+        for ax in axes:
+            ax.set_title("mean over seeds; band: 95% interval (seeds x held-out prompts)", fontsize=8)
+        axes[0].legend(fontsize=7)

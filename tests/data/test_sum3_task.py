@@ -1,0 +1,89 @@
+"""The experiments' task (hydra_conf/data/TASK.yaml, experiments/README.md): its held-out split (the trainer's
+default: seed + 1000, first eval.num_prompts items) shares no question with the training split, it trains and
+evaluates through the CLI, and the per-prompt correctness the experiments bootstrap over is written per eval."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from mcore_rl.data import build_dataset
+from tests.evaluation.conftest import read_jsonl, run_module
+
+TASK = "sum3"
+YAML = Path(__file__).resolve().parents[2] / "hydra_conf" / "data" / f"{TASK}.yaml"
+
+
+def _questions(spec: dict) -> list[str]:
+    return [r.prompt[0]["content"] for r in build_dataset(spec)]
+
+
+def _spec(**changes) -> dict:
+    spec = OmegaConf.to_container(OmegaConf.load(YAML), resolve=True)
+    spec.pop("sampler")
+    return {**spec, **changes}
+
+
+def test_heldout_split_is_disjoint_from_training():
+    train = _spec()
+    held = _spec(
+        seed=train["seed"] + 1000, size=train["exclude"]["size"]
+    )  # what PromptSource._eval_spec derives
+    assert train["exclude"]["seed"] == held["seed"]
+    tq, hq = _questions(train), _questions(held)
+    assert len(hq) == held["size"]  # the held-out split is never thinned: it is the one excluded
+    assert not set(tq) & set(hq)
+    # without the exclusion the splits would share questions (seeds alone do not separate them)
+    assert set(_questions(_spec(exclude=None))) & set(hq)
+    assert len(tq) >= 0.75 * train["size"]  # a small problem space: the exclusion costs some training items
+
+
+def test_exclude_bad_input_names_the_field():
+    with pytest.raises(ValueError, match=r"data\.exclude: expected"):
+        build_dataset(_spec(exclude={"seed": 1000}))
+    with pytest.raises(ValueError, match=r"data\.exclude: expected"):
+        build_dataset(_spec(exclude={"seed": 1000, "size": 0}))
+
+
+def test_task_trains_and_evaluates_through_the_cli(tmp_path):
+    """One update of the tiny model on the task; the eval record and its per-prompt correctness agree."""
+    run_dir = tmp_path / "run"
+    proc = run_module(
+        "mcore_rl.train",
+        "model=tiny",
+        "model.dtype=fp32",
+        f"data={TASK}",
+        "trainer.steps=1",
+        "trainer.prompts_per_update=2",
+        "trainer.samples_per_prompt=2",
+        "trainer.max_new_tokens=8",
+        "eval.num_prompts=5",
+        "eval.samples_per_prompt=4",
+        "eval.max_new_tokens=8",
+        "eval.temperature=1.0",
+        "trainer.export_hf=false",
+        "trainer.save_every=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.tensorboard=false",
+        "data.exclude.seed=1000",
+        "data.exclude.size=64",  # the yaml says 300; 64 excludes fewer training questions (63 of 1024, not 227)
+        f"run.dir={run_dir}",
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "loaded 961/1024 rows; skipped 63 (in_excluded_split=63)" in proc.stdout + proc.stderr
+    prompts = read_jsonl(run_dir / "prompts.jsonl")
+    assert prompts and all(
+        pid.startswith("rg-") and "-s0-" in pid for r in prompts for pid in r["prompt_ids"]
+    )
+    evals, per_prompt = read_jsonl(run_dir / "eval.jsonl"), read_jsonl(run_dir / "eval_prompts.jsonl")
+    assert [r["step"] for r in evals] == [r["step"] for r in per_prompt] == [0, 1]
+    for rec, pp in zip(evals, per_prompt):
+        fracs = pp["per_prompt_correct"]
+        assert len(fracs) == 5 and all(f in (0.0, 0.25, 0.5, 0.75, 1.0) for f in fracs)
+        assert sum(fracs) / 5 == pytest.approx(rec["mean_at_k"])
+    json.dumps(per_prompt)  # plain JSON: what experiments/common.collect copies into data/

@@ -1,0 +1,272 @@
+"""The experiments' resumable queue (experiments/plan.py, common.run_arm/arms_main): a finished (arm, seed) is never
+re-run, an interrupted one resumes from its checkpoint, a run that died before its first checkpoint restarts with
+its leftovers kept; and every arm of every experiment composes and validates against the trainer's schemas."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+EXP = Path(__file__).resolve().parents[2] / "experiments"
+sys.path.insert(0, str(EXP))
+
+import plan  # noqa: E402
+from plan import RunState, decide  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "state, steps, action",
+    [
+        (RunState(), 24, "start"),
+        (RunState(done_steps=24, has_files=True), 24, "skip"),
+        (RunState(done_steps=16, has_files=True), 24, "restart"),  # a marker for fewer updates, no checkpoint
+        (RunState(checkpoint_update=12, last_eval_step=12, last_rc=1, has_files=True), 24, "resume"),
+        (RunState(checkpoint_update=24, last_eval_step=18, last_rc=-9, has_files=True), 24, "resume"),
+        (RunState(last_rc=0, last_eval_step=24, checkpoint_update=24, has_files=True), 24, "finish"),
+        (RunState(last_rc=-15, last_eval_step=0, has_files=True), 24, "restart"),
+        (
+            RunState(done_steps=24, checkpoint_update=24, last_rc=0, last_eval_step=24, has_files=True),
+            48,
+            "resume",
+        ),
+    ],
+)
+def test_decide(state, steps, action):
+    assert decide(state, steps)[0] == action
+
+
+def test_plan_orders_seeds_outer_and_keeps_each_runs_state():
+    states = {("a", 1): RunState(done_steps=8, has_files=True), ("b", 2): RunState(checkpoint_update=4)}
+    jobs = plan.plan([("a", 8), ("b", 8)], [1, 2], states)
+    assert [(j.seed, j.arm, j.action) for j in jobs] == [
+        (1, "a", "skip"),
+        (1, "b", "start"),
+        (2, "a", "start"),
+        (2, "b", "resume"),
+    ]
+
+
+def _checkpoint(run_dir: Path, update: int) -> None:
+    from mcore_rl.checkpoint_io import COMPLETE, FILES_KEY
+
+    step = run_dir / "checkpoints" / f"step_{update:06d}"
+    step.mkdir(parents=True)
+    (step / COMPLETE).write_text(json.dumps({FILES_KEY: {}}))
+
+
+def test_probe_reads_marker_checkpoint_evals_and_exit_status(tmp_path):
+    run = tmp_path / "run"
+    assert plan.probe(run) == RunState()
+    run.mkdir()
+    (run / "eval.jsonl").write_text('{"step": 0}\n{"step": 8}\n')
+    (run / "arm.json").write_text(json.dumps({"segments": [{"rc": 0}, {"rc": -9}]}))
+    _checkpoint(run, 8)
+    assert plan.probe(run) == RunState(None, 8, 8, -9, True)
+    plan.write_marker(run, {"steps": 16})
+    assert plan.probe(run).done_steps == 16 and not list(run.glob(".*tmp"))
+    moved = plan.set_aside(run)
+    assert moved.name == "run.interrupted1" and not run.exists() and (moved / "eval.jsonl").exists()
+
+
+FAKE_TRAINER = r"""
+import json, os, sys
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+run = args["hydra.run.dir"]; steps = int(args["trainer.steps"]); every = int(args["trainer.save_every"])
+ck = os.path.join(run, "checkpoints")
+start = max([int(d[5:]) for d in os.listdir(ck)] if os.path.isdir(ck) else [0])
+crash = int(os.environ.get("FAKE_CRASH_AT", "-1"))
+with open(os.path.join(run, "calls.log"), "a") as log:
+    log.write(f"start={start} seed={args['seed']}\n")
+for step in range(start + 1 if start else 0, steps + 1):
+    if step == crash:
+        sys.exit(9)
+    with open(os.path.join(run, "eval.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "mean_at_k": 0.5, "wallclock_s": step, "cpu_s": step}) + "\n")
+    with open(os.path.join(run, "eval_prompts.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "per_prompt_correct": [0.25, 0.75]}) + "\n")
+    if step and step % every == 0:
+        d = os.path.join(ck, f"step_{step:06d}"); os.makedirs(d)
+        open(os.path.join(d, "complete.json"), "w").write('{"files": {}}')
+"""
+
+
+def test_run_arm_resumes_after_a_crash_and_never_reruns_a_finished_arm(tmp_path, monkeypatch):
+    """run_arm drives a stand-in trainer (same CLI contract: hydra.run.dir, seed, trainer.steps/save_every, resumes
+    from checkpoints/): a crash at update 6 resumes from the update-4 checkpoint, the marker appears only after the
+    last eval, a second call re-runs nothing, and collect() merges the per-prompt correctness into data/."""
+    import common
+
+    fake = tmp_path / "fake_trainer.py"
+    fake.write_text(FAKE_TRAINER)
+    monkeypatch.setattr(common, "EXP_ROOT", tmp_path / "runs")
+    monkeypatch.setattr(common, "BASE_OVERRIDES", [])
+    monkeypatch.setattr(
+        common.Arm,
+        "command",
+        lambda self, run_dir, seed, steps=None: [
+            sys.executable,
+            str(fake),
+            f"hydra.run.dir={run_dir}",
+            f"seed={seed}",
+            f"trainer.save_every={self.save_every}",
+            f"trainer.steps={steps or self.steps}",
+        ],
+    )
+    arm = common.Arm("a", "A", [], steps=8, save_every=4)
+    run = common.run_dir_for("exp", arm, 7)
+
+    monkeypatch.setenv("FAKE_CRASH_AT", "6")
+    common.run_arm("exp", arm, 7)
+    assert not (run / plan.MARKER).exists()
+    assert plan.probe(run).checkpoint_update == 4
+
+    monkeypatch.setenv("FAKE_CRASH_AT", "-1")
+    common.run_arm("exp", arm, 7)
+    assert json.loads((run / plan.MARKER).read_text())["steps"] == 8
+    common.run_arm("exp", arm, 7)  # finished: skipped
+    assert (run / "calls.log").read_text().splitlines() == ["start=0 seed=7", "start=4 seed=7"]
+    meta = json.loads((run / "arm.json").read_text())
+    assert [(s["action"], s["rc"]) for s in meta["segments"]] == [("start", 9), ("resume", 0)]
+    assert meta["segments"][0]["cpu_model"] and meta["segments"][0]["cpu_count"] >= 1
+
+    exp_dir = tmp_path / "exp_dir"
+    common.collect(exp_dir, "exp", arm, 7)
+    recs = common.evals(exp_dir, arm)[7]
+    assert [r["step"] for r in recs] == list(range(9))  # step 5 was evaluated twice: the later record kept
+    assert recs[-1]["correct"] == [0.25, 0.75]
+
+
+def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
+    """mu_grpo_vs_grpo's report from a synthetic data/ folder: intervals in the table, a PNG, unfinished seeds
+    (no DONE marker) left out."""
+    import numpy as np
+
+    sys.path.insert(0, str(EXP / "mu_grpo_vs_grpo"))
+    import run as exp1
+
+    rng = np.random.default_rng(0)
+    for arm, gain in (("mu_grpo", 0.3), ("grpo_mu4", 0.2)):
+        d = tmp_path / "data" / arm
+        d.mkdir(parents=True)
+        for seed in (1234, 1235, 1236):
+            recs = []
+            for step in (0, 12, 24):
+                correct = np.clip(0.2 + gain * step / 24 + rng.normal(0, 0.2, 16), 0, 1).round(2).tolist()
+                recs.append(
+                    {
+                        "step": step,
+                        "mean_at_k": float(np.mean(correct)),
+                        "correct": correct,
+                        "wallclock_s": 10.0 * step,
+                        "cpu_s": 15.0 * step,
+                        "flops": 1e12 * step,
+                    }
+                )
+            (d / f"seed{seed}.eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+            (d / f"seed{seed}.arm.json").write_text(
+                json.dumps(
+                    {
+                        "segments": [
+                            {
+                                "rc": 0,
+                                "load_mean": 2.0,
+                                "wall_s": 240,
+                                "cpu_model": "AMD EPYC",
+                                "cpu_count": 2,
+                                "host": "h",
+                            }
+                        ]
+                    }
+                )
+            )
+            if seed != 1236 or arm == "mu_grpo":
+                (d / f"seed{seed}.{plan.MARKER}").write_text('{"steps": 24}')
+    exp1.report(tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    rows: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("| "):
+            rows.setdefault(line.split(" | ")[0][2:], line)  # the per-arm table comes first
+    assert (
+        " | 3 | " in rows["Mu-GRPO, 4 stages x 6 updates"]
+        and " | 2 | " in rows["GRPO mu=4, recompute anchor"]
+    )
+    assert "0 (not run)" in rows["GRPO on-policy (mu=1)"]
+    assert text.count(" [0.") + text.count(" [-0.") >= 4  # intervals on before/after cells and the difference
+    assert "AMD EPYC, 2 cores" in text
+    assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
+
+
+def _experiment_arms():
+    import importlib.util
+
+    out = []
+    for folder in ("mu_grpo_vs_grpo", "p3o_vs_grpo", "scaling_prediction", "ppo_ewma_async"):
+        path = EXP / folder / "run.py"
+        if not path.exists():
+            continue
+        spec = importlib.util.spec_from_file_location(f"exp_{folder}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out += [(folder, arm) for arm in mod.ARMS]
+    return out
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_every_arm_composes_and_validates(gpu):
+    """What mcore-rl-train would check before loading a model, for each arm's full override list (CPU and GPU
+    profile): a typo in an arm's overrides fails here, not hours into the queue."""
+    import common
+
+    from mcore_rl.config import validate
+    from tests.config.keyscan import compose
+
+    arms = _experiment_arms()
+    assert len(arms) >= 16
+    for folder, arm in arms:
+        if gpu:
+            arm = common.gpu_arm(arm, "/models/Qwen2.5-0.5B-Instruct")
+        cmd = arm.command(Path("/tmp/x"), 1234)
+        overrides = [c for c in cmd[1:] if not c.startswith("hydra.")]
+        cfg = compose(overrides)
+        validate(cfg)
+        assert cfg.seed == 1234 and cfg.trainer.steps == arm.steps, (folder, arm.name)
+        assert (
+            cfg.data.name == "basic_arithmetic"
+            and cfg.data.exclude.seed == 1000
+            and cfg.trainer.resume == "auto"
+            and cfg.trainer.save_every > 0
+        )
+        if gpu:
+            assert cfg.rollout.engine == "sglang" and cfg.model.hf_path.endswith("Qwen2.5-0.5B-Instruct")
+            assert cfg.trainer.prompts_per_update == 32 and cfg.data.options.max_terms == 5  # the profile wins
+
+
+@pytest.mark.slow
+def test_run_arm_resumes_the_real_trainer(tmp_path, monkeypatch):
+    """The real `mcore-rl-train` (tiny model): a run to 1 update, then the same arm asked for 2 resumes from the
+    update-1 checkpoint (one more update, not two), writes its marker, and a third call runs nothing."""
+    import common
+
+    monkeypatch.setattr(common, "EXP_ROOT", tmp_path / "runs")
+    tiny = ["model=tiny", "model.dtype=fp32", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
+            "trainer.max_new_tokens=8", "eval.max_new_tokens=8", "eval.num_prompts=3", "eval.every=1",
+            "algorithm=grpo_cpu"]
+    arm = common.Arm("tiny", "tiny", tiny, steps=2, save_every=1)
+    common.run_arm("exp", arm, 5, steps=1)
+    run = common.run_dir_for("exp", arm, 5)
+    assert json.loads((run / plan.MARKER).read_text())["steps"] == 1
+    common.run_arm("exp", arm, 5)
+    common.run_arm("exp", arm, 5)
+    meta = json.loads((run / "arm.json").read_text())
+    assert [(s["action"], s["rc"]) for s in meta["segments"]] == [("start", 0), ("resume", 0)]
+    assert json.loads((run / plan.MARKER).read_text())["steps"] == 2
+    prompts = common.read_jsonl(run / "prompts.jsonl")
+    assert [r["update"] for r in prompts] == [1, 2]  # the resume trained update 2 only
+    exp_dir = tmp_path / "exp_dir"
+    common.collect(exp_dir, "exp", arm, 5)
+    recs = common.evals(exp_dir, arm)[5]
+    assert [r["step"] for r in recs] == [0, 1, 2] and all(len(r["correct"]) == 3 for r in recs)

@@ -1,0 +1,104 @@
+"""experiments/stats.py: the crossed (seeds x prompts) bootstrap behind every interval in experiments/*/results.md."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+
+from stats import bootstrap_interval, curve, difference_interval  # noqa: E402
+
+
+def _crossed(rng: np.random.Generator, n_s: int, n_p: int, mu: float = 0.4) -> np.ndarray:
+    """mu + seed effect + prompt effect + noise: the mean over the population of seeds and prompts is mu."""
+    return mu + rng.normal(0, 0.05, (n_s, 1)) + rng.normal(0, 0.15, (1, n_p)) + rng.normal(0, 0.1, (n_s, n_p))
+
+
+def _coverage(n_s: int, n_p: int, trials: int = 300) -> float:
+    rng = np.random.default_rng(123)
+    hits = 0
+    for t in range(trials):
+        iv = bootstrap_interval(_crossed(rng, n_s, n_p), reps=1000, seed=t)
+        hits += iv.lo <= 0.4 <= iv.hi
+    return hits / trials
+
+
+def test_coverage_near_nominal_with_enough_seeds():
+    # 10 seeds x 40 prompts: the crossed bootstrap covers the true mean at about 95% (it is mildly conservative)
+    cov = _coverage(10, 40)
+    assert 0.90 <= cov <= 0.995, cov
+
+
+def test_coverage_with_three_seeds_is_below_nominal():
+    # the documented limit: 3 seeds give 10 distinct seed resamples; the interval is too narrow, not too wide
+    cov = _coverage(3, 40)
+    assert 0.6 <= cov < 0.95, cov
+
+
+def test_prompts_alone_when_one_seed():
+    # one seed: only the prompt resampling is left; the interval equals the prompt-bootstrap of that row
+    row = np.r_[np.ones(16), np.zeros(48)]  # 25% correct on 64 prompts
+    iv = bootstrap_interval(row[None, :], reps=4000, seed=0)
+    assert iv.mean == pytest.approx(0.25)
+    se = np.sqrt(0.25 * 0.75 / 64)
+    assert iv.lo == pytest.approx(0.25 - 1.96 * se, abs=0.02)
+    assert iv.hi == pytest.approx(0.25 + 1.96 * se, abs=0.02)
+    assert iv.n_seeds == 1 and iv.n_prompts == 64
+
+
+def test_deterministic_given_seed_and_seed_matters():
+    data = _crossed(np.random.default_rng(0), 3, 32)
+    a, b = bootstrap_interval(data, seed=7), bootstrap_interval(data, seed=7)
+    assert a == b
+    c = bootstrap_interval(data, seed=8)
+    assert (c.lo, c.hi) != (a.lo, a.hi)
+    assert a.lo < a.mean < a.hi
+
+
+def test_seeds_only_fallback_and_cell():
+    iv = bootstrap_interval([0.30, 0.35, 0.40], seed=0)
+    assert iv.n_prompts == 0 and iv.mean == pytest.approx(0.35)
+    assert 0.30 - 1e-9 <= iv.lo < 0.35 < iv.hi <= 0.40 + 1e-9
+    assert iv.cell() == f"0.350 [{iv.lo:.3f}, {iv.hi:.3f}]"
+    assert bootstrap_interval([0.5]).cell() == "0.500"
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="scores"):
+        bootstrap_interval(np.zeros((2, 2, 2)))
+    with pytest.raises(ValueError, match="scores"):
+        bootstrap_interval([float("nan"), 0.1])
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_interval([0.1, 0.2], level=1.5)
+
+
+def test_difference_interval_separates_a_real_gap():
+    rng = np.random.default_rng(1)
+    prompts = rng.normal(0, 0.15, (1, 48))
+    a = 0.50 + prompts + rng.normal(0, 0.03, (5, 1)) + rng.normal(0, 0.05, (5, 48))
+    b = 0.40 + prompts + rng.normal(0, 0.03, (5, 1)) + rng.normal(0, 0.05, (5, 48))
+    d = difference_interval(a, b, seed=0)
+    assert d.lo > 0.03 and d.hi < 0.17 and d.mean == pytest.approx(a.mean() - b.mean())
+    # shared prompts are resampled jointly: the prompt effect cancels, so the gap's interval is narrower than
+    # the gap between the two arms' separate intervals would suggest
+    ia = bootstrap_interval(a)
+    assert d.hi - d.lo < ia.hi - ia.lo
+    with pytest.raises(ValueError, match="same prompts"):
+        difference_interval(a, b[:, :10])
+
+
+def test_curve_uses_steps_every_seed_reached():
+    def rec(step, wall, correct):
+        return {"step": step, "wallclock_s": wall, "correct": correct, "mean_at_k": float(np.mean(correct))}
+
+    per_seed = {
+        1: [rec(0, 0, [0, 0.5]), rec(4, 100, [1, 0.5]), rec(8, 200, [1, 1])],
+        2: [rec(0, 0, [0, 0.25]), rec(4, 120, [0.5, 0.5])],
+    }  # seed 2 was interrupted after step 4
+    pts = curve(per_seed, x_key="wallclock_s")
+    assert [x for x, _ in pts] == [0.0, 110.0]
+    assert pts[1][1].mean == pytest.approx(0.625) and pts[1][1].n_seeds == 2 and pts[1][1].n_prompts == 2
