@@ -54,6 +54,7 @@ def test_sigkill_worker_mid_round_restart_resync_and_finish(tmp_path):
         "rollout=sglang", "rollout.launcher.server=mcore-rl-serve", "rollout.launcher.num_servers=2",
         "rollout.launcher.router=true", "rollout.launcher.base_port=0", "rollout.launcher.extra_args=[--num-threads,1]",
         "rollout.launcher.health_timeout_s=180", f"rollout.api_key_env={KEY_ENV}", "trainer.steps=30",
+        "trainer.deterministic=true",  # off by default with SGLang; on, it must reach the servers' flag
         "trainer.max_new_tokens=24", "trainer.prompts_per_update=4", f"run.dir={tmp_path}", "trainer.export_hf=false",
         "logging.plot=false", "rollout.backoff_s=0.5",
     )  # fmt: skip
@@ -85,7 +86,7 @@ def test_sigkill_worker_mid_round_restart_resync_and_finish(tmp_path):
         req = urllib.request.Request(victim["url"] + "/server_info", headers={"Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             info = json.loads(resp.read())
-        assert info["enable_deterministic_inference"] is True  # rollout.deterministic -> the launcher's flag
+        assert info["enable_deterministic_inference"] is True  # trainer.deterministic -> the launcher's flag
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
