@@ -289,10 +289,3 @@ def stage_src_rank(stage: int) -> int:
     if not dist.is_initialized():
         return 0
     return stage * (dist.get_world_size() // ps.get_pipeline_model_parallel_world_size())
-
-
-def is_stage_source() -> bool:
-    """This rank is its stage's (DP=0, TP=0) rank: the one whose buckets are read."""
-    from megatron.core import parallel_state as ps
-
-    return D.global_rank() == stage_src_rank(ps.get_pipeline_model_parallel_rank())

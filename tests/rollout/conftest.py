@@ -57,11 +57,17 @@ def forward_logprobs(model, prompt: list[int], output: list[int], temperature: f
 @pytest.fixture(scope="session")
 def served(tiny_dir, tmp_path_factory):
     """Two real `mcore-rl-serve` subprocesses on free loopback ports, under the launcher."""
-    from mcore_rl.rollout.sglang.launcher import MCORE_RL_SERVE_COMMAND, LauncherConfig, ServerLauncher
+    from mcore_rl.rollout.sglang.launcher import ServerLauncher
 
-    cfg = LauncherConfig(
-        model_path=str(tiny_dir), num_servers=2, command=MCORE_RL_SERVE_COMMAND + ["--num-threads", "1"],
-        log_dir=str(tmp_path_factory.mktemp("serve_logs")), health_timeout_s=120, monitor_interval_s=0.5,
-    )  # fmt: skip
-    with ServerLauncher(cfg) as launcher:
+    with ServerLauncher(two_serve_workers(tiny_dir, tmp_path_factory.mktemp("serve_logs"))) as launcher:
         yield launcher
+
+
+def two_serve_workers(model_dir: Path, log_dir: Path):
+    """Launcher settings for two single-threaded `mcore-rl-serve` workers on free loopback ports."""
+    from mcore_rl.rollout.sglang.launcher import MCORE_RL_SERVE_COMMAND, LauncherConfig
+
+    return LauncherConfig(
+        model_path=str(model_dir), num_servers=2, command=MCORE_RL_SERVE_COMMAND + ["--num-threads", "1"],
+        log_dir=str(log_dir), health_timeout_s=120, monitor_interval_s=0.5,
+    )  # fmt: skip

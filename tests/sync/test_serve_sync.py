@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from mcore_rl.distributed import free_port
-from mcore_rl.rollout.sglang.launcher import MCORE_RL_SERVE_COMMAND, LauncherConfig, ServerLauncher
+from mcore_rl.rollout.sglang.launcher import ServerLauncher
 from tests.conftest import REPO
+from tests.rollout.conftest import two_serve_workers
 
 pytestmark = [pytest.mark.rollout, pytest.mark.multiproc]
 WORKER = Path(__file__).with_name("serve_sync_worker.py")
@@ -38,11 +39,7 @@ def run_torchrun(nproc: int, *args: str, log: Path, timeout: int = 600) -> None:
 @pytest.fixture
 def two_servers(tiny_llama_dir, tmp_path_factory):
     """Fresh servers per test: each must start on the HF weights (the previous test left the trained ones)."""
-    cfg = LauncherConfig(
-        model_path=str(tiny_llama_dir), num_servers=2, command=MCORE_RL_SERVE_COMMAND + ["--num-threads", "1"],
-        log_dir=str(tmp_path_factory.mktemp("serve_logs")), health_timeout_s=120, monitor_interval_s=0.5,
-    )  # fmt: skip
-    with ServerLauncher(cfg) as launcher:
+    with ServerLauncher(two_serve_workers(tiny_llama_dir, tmp_path_factory.mktemp("serve_logs"))) as launcher:
         yield launcher
 
 

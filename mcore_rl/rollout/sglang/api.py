@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import importlib
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -230,22 +230,6 @@ def parse_sample(item: dict[str, Any], req: GenerationRequest, index: int, defau
 
 
 # ---------------------------------------------------------------- weight transfer
-def bucket_named_tensors(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a tensor stream into buckets of about `bucket_bytes` (a tensor larger than that is its own bucket)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named_tensors:
-        if bucket and size + t.nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += t.nbytes
-    if bucket:
-        yield bucket
-
-
 @contextmanager
 def _cpu_shared_by_name() -> Iterator[None]:
     """CPU tensors pickle as shared-memory FILE NAMES (torch's `file_system` strategy) for the dump's duration.
