@@ -13,6 +13,8 @@ Loading reshards to whatever TP/PP the loading job uses.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -24,6 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mcore_rl import fsio
 from mcore_rl.agreement import FatalRunError, any_rank
 from mcore_rl.distributed import barrier, global_rank
+
+log = logging.getLogger("mcore_rl")
 
 COMPLETE = "complete.json"
 FILES_KEY = "_files"
@@ -88,6 +92,31 @@ def verify_checkpoint(path: str | Path) -> str | None:
             return f"{f} has {size} bytes, manifest says {entry['size']}"
         if "crc32" in entry and _crc32(f) != entry["crc32"]:
             return f"{f} fails its CRC32 check"
+    return None
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
+
+
+def latest_checkpoint(ckpt_root: str | Path, report: bool = False) -> Path | None:
+    """The newest checkpoint that verifies: the `latest` pointer's target first, then step dirs newest first.
+    `report`: log each rejected step with the reason (the resume path does; status queries stay quiet)."""
+    root = Path(ckpt_root)
+    candidates: list[Path] = []
+    pointer = root / "latest"
+    if pointer.is_file():
+        candidates.append(root / pointer.read_text().strip())
+    candidates += [p for _, p in reversed(step_dirs(root)) if p not in candidates]
+    for cand in candidates:
+        why = verify_checkpoint(cand)
+        if why is None:
+            return cand
+        if report and cand.exists():
+            log.warning("checkpoint %s rejected: %s; trying the next older one", cand.name, why)
     return None
 
 

@@ -115,8 +115,9 @@ def format_table(rows: list[tuple[str, dict[str, float]]], ks: list[int], n: int
 def run(a: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from mcore_rl.data import render_prompt
     from mcore_rl.evaluation.model_source import resolve_model
-    from mcore_rl.evaluation.runner import GenerationConfig, evaluate_set
+    from mcore_rl.evaluation.runner import GenerationConfig, HeldOutSet, evaluate_set
     from mcore_rl.evaluation.sets import load_set
     from mcore_rl.rollout.protocol import build_engine
 
@@ -145,8 +146,11 @@ def run(a: argparse.Namespace) -> int:
                                seed=a.seed)
         results = []
         try:
+            stop_ids = [t for t in {tokenizer.eos_token_id} if t is not None]
             for spec, es in sets:
-                results.append(evaluate_set(engine, tokenizer, es, spec, gen, ks, progress=not a.no_progress))
+                hs = HeldOutSet(es.name, [render_prompt(tokenizer, r) for r in es.records], es.records, es.scorer,
+                                prefixed=False)
+                results.append(evaluate_set(engine, hs, gen, stop_ids, ks, spec, progress=not a.no_progress))
         finally:
             engine.close()
     finally:

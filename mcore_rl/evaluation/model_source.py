@@ -36,7 +36,7 @@ def _run_model_dir(run_dir: Path) -> Path:
     """The model a run was started from, read from the config.yaml the trainer writes into its run dir."""
     from omegaconf import OmegaConf
 
-    from mcore_rl.trainer.setup import resolve_model_dir
+    from mcore_rl.models.source import resolve_model_dir
 
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():
@@ -61,8 +61,7 @@ def _export(ckpt: Path, hf_config: Path | None, out_root: Path | None) -> Path:
 
 def resolve_model(model: str | Path, hf_config: str | Path | None = None, use_checkpoint: bool = False,
                   export_dir: str | Path | None = None) -> ResolvedModel:
-    from mcore_rl.checkpoint_io import COMPLETE
-    from mcore_rl.trainer.state import latest_checkpoint
+    from mcore_rl.checkpoint_io import COMPLETE, latest_checkpoint
 
     p = Path(model)
     if not p.exists():

@@ -21,7 +21,21 @@ class Scorer(Protocol):
     def close(self) -> None: ...
 
 
-class MathVerifyScorer:
+class RewardScorer:
+    """Correctness read off a reward's `correct` field: the trainer's own reward scores its default held-out set
+    this way. The reward is borrowed, not closed here."""
+
+    def __init__(self, reward) -> None:
+        self.reward = reward
+
+    def correct(self, responses: list[str], records: list[PromptRecord]) -> list[bool]:
+        return [bool(r.correct) for r in self.reward.score(responses, [rec.answer for rec in records])]
+
+    def close(self) -> None:
+        pass
+
+
+class MathVerifyScorer(RewardScorer):
     """The trainer's `math_verify` reward (its worker pool), reading only `correct`. `reward`: an existing reward
     to borrow (the trainer's periodic eval passes its own, so no second worker pool is started; not closed here)."""
 
@@ -29,10 +43,7 @@ class MathVerifyScorer:
         from mcore_rl.rewards import build_reward
 
         self._owned = reward is None
-        self.reward = build_reward({"name": "math_verify"}) if reward is None else reward
-
-    def correct(self, responses: list[str], records: list[PromptRecord]) -> list[bool]:
-        return [bool(r.correct) for r in self.reward.score(responses, [rec.answer for rec in records])]
+        super().__init__(build_reward({"name": "math_verify"}) if reward is None else reward)
 
     def close(self) -> None:
         if self._owned:

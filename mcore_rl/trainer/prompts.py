@@ -113,7 +113,7 @@ class PromptSource:
         """The held-out sets to evaluate: `eval.sets` loaded with mcore-rl-eval's loader and scorers (math_verify
         scoring borrows the trainer's reward), or the single default set (scored by the trainer's reward, metrics
         unprefixed)."""
-        from mcore_rl.trainer.evaluate import HeldOutSet
+        from mcore_rl.evaluation.runner import HeldOutSet
 
         if self._eval_sets is not None:
             return self._eval_sets

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from mcore_rl import fsio
 from mcore_rl.config import ConfigError, OptimSettings, algorithm_spec, typed_group, validate
 from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
 from mcore_rl.models.moe_spec import validate_moe_parallel
+from mcore_rl.models.source import resolve_model_dir
 from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_parallel
 from mcore_rl.policy.policy import PolicyConfig
 
-__all__ = ["ConfigError", "algorithm_spec", "validate_config"]  # ConfigError's home is mcore_rl.config (re-exported here)
+# re-exported here: ConfigError (home: mcore_rl.config), resolve_model_dir (home: mcore_rl.models.source)
+__all__ = ["ConfigError", "algorithm_spec", "resolve_model_dir", "validate_config"]
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -42,48 +40,6 @@ def policy_config(cfg: DictConfig) -> PolicyConfig:
     return PolicyConfig(build=build_config(cfg), optim=typed_group(cfg, "optim", OptimSettings),
                         decay_steps=max(1, cfg.trainer.steps), token_budget=cfg.trainer.token_budget,
                         seed=int(cfg.seed))
-
-
-def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
-    """A random tiny Llama with the SmolLM2 tokenizer, cached by its config hash (written atomically)."""
-    from mcore_rl.models.smollm2 import DEFAULT_CACHE, materialize_smollm2
-
-    spec = OmegaConf.to_container(tiny, resolve=True)
-    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    out = (cache or DEFAULT_CACHE) / f"tiny-{spec.get('model_type', 'llama')}-{key}"
-    if (out / "config.json").is_file():
-        return out
-    # every process may race here (before torch.distributed exists): the atomic rename decides the winner
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    src = materialize_smollm2()
-    tok = AutoTokenizer.from_pretrained(src)
-    seed = spec.pop("seed", 0)
-    model_type = spec.pop("model_type", "llama")  # any transformers model type the families cover
-    config = AutoConfig.for_model(model_type, vocab_size=len(tok), tie_word_embeddings=True,
-                                  max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **spec)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    fsio.publish_new(tmp, out)  # racing processes: the first rename wins, the others discard their copy
-    return out
-
-
-def resolve_model_dir(cfg: DictConfig) -> Path:
-    src = cfg.model.source
-    if src == "hf" or cfg.model.hf_path:
-        p = Path(cfg.model.hf_path)
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"model.hf_path={p} is not an HF model folder (no config.json)")
-        return p
-    if src == "tiny":
-        return tiny_model_dir(cfg.model.tiny)
-    from mcore_rl.models.smollm2 import materialize_smollm2
-
-    return materialize_smollm2()  # atomic: concurrent ranks race safely
 
 
 def check_model_against_parallel(cfg: DictConfig, model_dir: Path) -> None:

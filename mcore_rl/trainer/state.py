@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +21,15 @@ from mcore_rl import fsio
 from mcore_rl.agreement import any_rank
 from mcore_rl.checkpoint_io import (
     CheckpointWriteError,
+    latest_checkpoint,
     load_dist_checkpoint,
     load_rank_state,
     save_dist_checkpoint,
-    verify_checkpoint,
+    step_dirs,
 )
 from mcore_rl.distributed import global_rank
 
 log = logging.getLogger("mcore_rl")
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def rng_state() -> dict[str, Any]:
@@ -49,28 +47,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _to_tuple(x):
     return tuple(_to_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
-
-
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    return sorted((int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)))
-
-
-def latest_checkpoint(ckpt_root: str | Path, report: bool = False) -> Path | None:
-    """The newest checkpoint that verifies: the `latest` pointer's target first, then step dirs newest first.
-    `report`: log each rejected step with the reason (the resume path does; status queries stay quiet)."""
-    root = Path(ckpt_root)
-    candidates: list[Path] = []
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidates.append(root / pointer.read_text().strip())
-    candidates += [p for _, p in reversed(step_dirs(root)) if p not in candidates]
-    for cand in candidates:
-        why = verify_checkpoint(cand)
-        if why is None:
-            return cand
-        if report and cand.exists():
-            log.warning("checkpoint %s rejected: %s; trying the next older one", cand.name, why)
-    return None
 
 
 def sweep_stale(ckpt_root: str | Path) -> list[Path]:

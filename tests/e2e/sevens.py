@@ -19,7 +19,7 @@ def sevens_model(out: Path, boost: float = 0.75) -> Path:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mcore_rl.trainer.setup import tiny_model_dir
+    from mcore_rl.models.source import tiny_model_dir
 
     tiny = OmegaConf.load(Path(__file__).parents[2] / "hydra_conf" / "model" / "tiny.yaml").tiny
     src = tiny_model_dir(tiny)

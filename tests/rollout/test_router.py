@@ -30,7 +30,7 @@ RECORDED: list[tuple[str, dict]] = []
 
 def trainer_tiny_dir(seed: int = 0) -> Path:
     """The folder `model=tiny` trains (the workers must serve the trainer's own architecture)."""
-    from mcore_rl.trainer.setup import tiny_model_dir
+    from mcore_rl.models.source import tiny_model_dir
 
     tiny = OmegaConf.load(Path(REPO) / "hydra_conf" / "model" / "tiny.yaml").tiny
     tiny.seed = seed

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 def tiny_model() -> Path:
     """The folder `model=tiny` resolves to (the trainer and the servers must load the same weights)."""
-    from mcore_rl.trainer.setup import tiny_model_dir
+    from mcore_rl.models.source import tiny_model_dir
 
     return tiny_model_dir(OmegaConf.load(REPO / "hydra_conf" / "model" / "tiny.yaml").tiny)
 
