@@ -1,8 +1,8 @@
-"""Weight sync through the filesystem: HF-named tensors -> a safetensors folder an engine can load.
+"""Weight sync through the filesystem: HF-named tensors -> versioned safetensors folders `v<N>` an engine loads.
 
-Why atomic: an engine (or a person) that sees the folder must never see half of it. Shards are written into a
-`<name>.tmp` folder next to the target and published by `mcore_rl.fsio` (fsync tree, rename, fsync parent).
-Why buckets: tensors stream in from the trainer's gather; holding a whole 70B state dict in RAM is not an option.
+Each version is written by `write_hf_folder` (mcore_rl/models/hf_io.py): atomic, because an engine (or a person)
+that sees the folder must never see half of it; in buckets, because tensors stream in from the trainer's gather and
+holding a whole 70B state dict in RAM is not an option. Old versions are pruned, a killed writer's leftovers swept.
 """
 
 from __future__ import annotations
@@ -10,102 +10,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from mcore_rl import fsio
+from mcore_rl.models.hf_io import INDEX_NAME, write_hf_folder
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-# Small files an HF loader (and SGLang's update_weights_from_disk) may want next to the weights.
-SIDECAR_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
+# the writer lives with the HF reader (models/hf_io.py): weight sync, the run's hf/ export and the converter share it
+__all__ = ["INDEX_NAME", "is_complete", "iter_safetensors", "prune_versions", "remove_stale_temp", "safetensors_files",
+           "versioned_dir", "write_hf_folder"]
+
 _VERSION_DIR = re.compile(r"^v(\d+)$")
-
-
-def _write_shard(bucket: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(bucket, str(path), metadata={"format": "pt"})  # fsio fsyncs the whole folder before its rename
-
-
-def write_hf_folder(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    out_dir: str | os.PathLike,
-    *,
-    config_dir: str | os.PathLike | None = None,
-    bucket_mb: float = 512.0,
-    dtype: torch.dtype | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write tensors as HF safetensors shards (+ index when sharded) into `out_dir`, atomically.
-
-    `config_dir`: an HF folder whose config/tokenizer files are copied alongside (config.json is required there).
-    Returns the final folder. Raises on duplicate names or an empty iterable; the temp dir is removed on error.
-    """
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass overwrite=True or use a fresh versioned folder")
-    if config_dir is not None and not (Path(config_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"config_dir {config_dir} has no config.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with fsio.atomic_dir(out, overwrite=overwrite) as tmp:
-        limit = int(bucket_mb * 2**20)
-        shards: list[tuple[Path, list[str]]] = []
-        bucket: dict[str, torch.Tensor] = {}
-        seen: set[str] = set()
-        size = total = 0
-        for name, tensor in named_tensors:
-            if name in seen:
-                raise ValueError(f"tensor {name!r} was given twice")
-            seen.add(name)
-            t = tensor.detach()
-            t = t.to(device="cpu", dtype=dtype or t.dtype).contiguous()
-            if any(t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in bucket.values()):
-                t = t.clone()  # safetensors refuses shared storage (e.g. tied embeddings)
-            if bucket and size + t.nbytes > limit:
-                shards.append((tmp / f"shard-{len(shards):05d}.safetensors", list(bucket)))
-                _write_shard(bucket, shards[-1][0])
-                bucket, size = {}, 0
-            bucket[name] = t
-            size += t.nbytes
-            total += t.nbytes
-        if not seen:
-            raise ValueError(f"no tensors to write to {out}")
-        shards.append((tmp / f"shard-{len(shards):05d}.safetensors", list(bucket)))
-        _write_shard(bucket, shards[-1][0])
-        _finalize_names(tmp, shards, total)
-        if config_dir is not None:
-            for fname in SIDECAR_FILES:
-                src = Path(config_dir) / fname
-                if src.is_file():
-                    shutil.copy2(src, tmp / fname)
-    return out
-
-
-def _finalize_names(tmp: Path, shards: list[tuple[Path, list[str]]], total: int) -> None:
-    if len(shards) == 1:
-        shards[0][0].rename(tmp / SINGLE_NAME)
-        return
-    weight_map = {}
-    for i, (path, names) in enumerate(shards):
-        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        path.rename(tmp / final)
-        weight_map.update({n: final for n in names})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
