@@ -18,9 +18,11 @@ import stat
 import sys
 from pathlib import Path
 
+API_KEY_ENV = "MCORE_RL_API_KEY"  # how the launcher hands the key to the processes it starts (not argv)
+
 
 class ApiKeyError(ValueError):
-    """A missing, empty or too-widely readable key file (one line naming the file)."""
+    """A missing, empty or too-widely readable key file, or an unset key variable (one line naming it)."""
 
 
 def new_api_key() -> str:
@@ -55,6 +57,21 @@ def read_api_key(path: str | Path) -> str:
     if not key or any(c.isspace() for c in key):
         raise ApiKeyError(f"api key file {path} is empty or holds more than one word")
     return key
+
+
+def resolve_api_key(*, key: str | None = None, file: str | Path | None = None, env: str | None = None,
+                    env_required: bool = True, where: str = "api key") -> str | None:
+    """The one place a key is read: `key` as given, else `file` (read_api_key: mode 600 enforced), else the
+    environment variable named `env` (unset: an error naming `where`, or None when not `env_required`); None
+    when none is given. Never from a config value itself: configs get logged."""
+    if key:
+        return key
+    if file:
+        return read_api_key(file)
+    value = os.environ.get(env, "").strip() if env else ""
+    if env and not value and env_required:
+        raise ApiKeyError(f"{where}={env}: that environment variable is not set")
+    return value or None
 
 
 def _console_script(name: str):

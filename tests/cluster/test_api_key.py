@@ -33,6 +33,36 @@ def test_key_file_must_be_private_and_non_empty(tmp_path):
         read_api_key(tmp_path / "missing")
 
 
+def test_every_reader_goes_through_the_mode_check(tmp_path, monkeypatch):
+    """The trainer's SGLang engine (rollout.api_key_file / _env) and mcore-rl-serve (--api-key-file, else the
+    launcher's $MCORE_RL_API_KEY) read keys through one function: a world-readable file is refused by both."""
+    import argparse
+
+    from mcore_rl.api_key import API_KEY_ENV, resolve_api_key
+    from mcore_rl.rollout.server.auth import server_api_key
+
+    key_file = write_api_key(tmp_path / "key")
+    key = read_api_key(key_file)
+    args = argparse.Namespace(api_key=None, api_key_file=str(key_file))
+    assert server_api_key(args) == key == resolve_api_key(file=key_file, env="UNUSED_VAR")
+    key_file.chmod(0o640)
+    with pytest.raises(ApiKeyError, match="has mode 640; it must be 600"):
+        server_api_key(args)
+    with pytest.raises(ApiKeyError, match="has mode 640"):
+        resolve_api_key(file=key_file)
+    monkeypatch.delenv("MCORE_RL_TEST_KEY", raising=False)
+    with pytest.raises(ApiKeyError, match=r"^rollout.api_key_env=MCORE_RL_TEST_KEY: that environment variable"):
+        resolve_api_key(env="MCORE_RL_TEST_KEY", where="rollout.api_key_env")
+    monkeypatch.setenv("MCORE_RL_TEST_KEY", " k1 \n")
+    assert resolve_api_key(env="MCORE_RL_TEST_KEY") == "k1"
+    no_flags = argparse.Namespace(api_key=None, api_key_file=None)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert server_api_key(no_flags) is None  # no key anywhere: the server runs open, as SGLang does
+    monkeypatch.setenv(API_KEY_ENV, "from-launcher")
+    assert server_api_key(no_flags) == "from-launcher"
+    assert server_api_key(argparse.Namespace(api_key="flag", api_key_file=str(key_file))) == "flag"
+
+
 def _get(url: str, key: str | None = None) -> int:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:

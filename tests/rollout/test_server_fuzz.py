@@ -31,6 +31,7 @@ SEEN: Counter = Counter()  # (endpoint, status) over the fuzz run: proves it rea
 def server(tiny_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("key") / "key"
     key_file.write_text(KEY)
+    key_file.chmod(0o600)  # the server refuses a key file others may read
     cfg = LauncherConfig(
         model_path=str(tiny_dir), server="mcore-rl-serve", log_dir=str(tmp_path_factory.mktemp("fuzz_logs")),
         extra_args=["--num-threads", "1", "--api-key-file", str(key_file), "--max-body-bytes", str(256 * 1024),

@@ -1,3 +1,3 @@
-from mcore_rl.rollout.server.app import main
+from mcore_rl.rollout.server.cli import main
 
 main()

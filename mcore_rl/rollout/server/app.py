@@ -8,18 +8,17 @@ thread (which batches concurrent requests) and await its futures.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
 from aiohttp import web
 
 from mcore_rl.rollout.local.engine import LocalEngine
-from mcore_rl.rollout.protocol import PAUSE_MODES, GenerationRequest, SamplingParams
-from mcore_rl.rollout.server import weight_update
+from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
+from mcore_rl.rollout.server import control, weight_update
+from mcore_rl.rollout.server.auth import auth
 from mcore_rl.rollout.server.codec import BadRequest, as_int_version, parse_generate, render_sample
 from mcore_rl.rollout.server.state import (
     STATE,
@@ -33,11 +32,6 @@ from mcore_rl.rollout.server.state import (
 )
 
 log = logging.getLogger("mcore_rl.serve")
-API_KEY_ENV = (
-    "MCORE_RL_API_KEY"  # how the launcher hands the key over (not argv, which `ps` shows to everyone)
-)
-# SGLang leaves these open with --api-key (load balancers and the router probe them without credentials)
-OPEN_PATHS = ("/health", "/metrics")
 
 
 # ---------------------------------------------------------------------- handlers
@@ -121,51 +115,6 @@ async def update_weight_version(request: web.Request) -> web.Response:
     )
 
 
-async def abort_request(request: web.Request) -> web.Response:
-    body = await read_body(request, "/abort_request")
-    if body.get("abort_all"):
-        engine_of(request).abort(None)
-    elif body.get("rid"):
-        engine_of(request).abort(str(body["rid"]))
-    return web.Response(status=200)
-
-
-async def pause_generation(request: web.Request) -> web.Response:
-    mode = (await read_body(request, "/pause_generation")).get("mode", "abort")
-    if mode not in PAUSE_MODES:
-        raise BadRequest(f"/pause_generation: mode={mode!r} not in {PAUSE_MODES}")
-    await in_thread(engine_of(request).pause, mode)
-    return web.json_response({"message": "Generation paused successfully."})
-
-
-async def continue_generation(request: web.Request) -> web.Response:
-    await read_body(request, "/continue_generation")
-    engine_of(request).resume()
-    return web.json_response({"message": "Generation continued successfully."})
-
-
-async def flush_cache(request: web.Request) -> web.Response:
-    await read_body(request, "/flush_cache")
-    if engine_of(request).num_running:
-        return web.Response(status=400, text="Cache not flushed because there are pending requests.")
-    return web.Response(text="Cache flushed.\nPlease check backend logs for more details.")
-
-
-async def release_memory(request: web.Request) -> web.Response:
-    await read_body(request, "/release_memory_occupation")
-    try:
-        await in_thread(engine_of(request).release_memory)
-    except RuntimeError as exc:
-        raise BadRequest(f"/release_memory_occupation: {exc}") from None
-    return web.Response(status=200)
-
-
-async def resume_memory(request: web.Request) -> web.Response:
-    await read_body(request, "/resume_memory_occupation")
-    await in_thread(engine_of(request).resume_memory)
-    return web.Response(status=200)
-
-
 async def health(request: web.Request) -> web.Response:
     return web.Response(status=200 if engine_of(request).health() else 503)
 
@@ -220,16 +169,6 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def auth(request: web.Request, handler) -> web.StreamResponse:
-    """`Authorization: Bearer <key>` on every path but /health* and /metrics, as SGLang's --api-key does."""
-    key = request.app[STATE].api_key
-    if key and not request.path.startswith(OPEN_PATHS):
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
-            return web.json_response({"error": "Unauthorized"}, status=401)
-    return await handler(request)
-
-
-@web.middleware
 async def errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
@@ -259,17 +198,10 @@ def build_app(
         "/generate": generate,
         "/update_weights_from_disk": update_weights_from_disk,
         "/update_weight_version": update_weight_version,
-        "/abort_request": abort_request,
-        "/pause_generation": pause_generation,
-        "/continue_generation": continue_generation,
+        **control.POST_ROUTES,
         **weight_update.ROUTES,
     }
-    both = {
-        "/flush_cache": flush_cache,
-        "/release_memory_occupation": release_memory,
-        "/resume_memory_occupation": resume_memory,
-        "/get_weights_by_name": get_weights_by_name,
-    }
+    both = {**control.ROUTES, "/get_weights_by_name": get_weights_by_name}
     get = {
         "/health": health,
         "/health_generate": health_generate,
@@ -289,63 +221,3 @@ def build_app(
     return app
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
-    """--api-key (SGLang's flag), else --api-key-file, else $MCORE_RL_API_KEY (what the launcher uses)."""
-    if args.api_key:
-        return args.api_key
-    if args.api_key_file:
-        return open(args.api_key_file).read().strip() or None
-    return os.environ.get(API_KEY_ENV) or None
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="SGLang-compatible HTTP server over the mcore-rl local engine")
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--weight-version", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--api-key", default=None, help=f"prefer --api-key-file or ${API_KEY_ENV}: argv is public")
-    p.add_argument("--api-key-file", default=None)
-    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
-    p.add_argument("--max-samples-per-request", type=int, default=Limits.max_samples_per_request)
-    p.add_argument("--max-queued-samples", type=int, default=Limits.max_queued_samples)
-    p.add_argument("--weight-group-timeout-s", type=float, default=weight_update.GROUP_TIMEOUT_S,
-                   help="rendezvous and broadcast timeout of a joined weight-update group")  # fmt: skip
-    # SGLang's flags, accepted so one launcher command line fits both servers. This engine is always seeded
-    # per sample, and releases memory without a saver; both are reported in /server_info.
-    p.add_argument("--tp-size", type=int, default=1, choices=[1])
-    p.add_argument("--enable-memory-saver", action="store_true")
-    p.add_argument("--enable-deterministic-inference", action="store_true")
-    args = p.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    engine = LocalEngine(
-        args.model_path, device=args.device, dtype=args.dtype, num_threads=args.num_threads,
-        max_batch_size=args.max_batch_size, seed=args.seed, weight_version=args.weight_version,
-    )  # fmt: skip
-    info = {
-        "model_path": args.model_path, "host": args.host, "port": args.port, "tp_size": args.tp_size,
-        "dp_size": 1, "device": args.device, "dtype": args.dtype, "version": "mcore-rl-serve/0.1",
-        "enable_memory_saver": args.enable_memory_saver,
-        "enable_deterministic_inference": args.enable_deterministic_inference,
-    }  # fmt: skip
-    limits = Limits(args.max_body_bytes, args.max_samples_per_request, args.max_queued_samples)
-    key = _api_key(args)
-    log.info("mcore-rl-serve: http://%s:%d  model=%s  auth=%s", args.host, args.port, args.model_path,
-             "on" if key else "off")  # fmt: skip
-    web.run_app(
-        build_app(engine, info, limits=limits, api_key=key, weight_group_timeout_s=args.weight_group_timeout_s),
-        host=args.host, port=args.port, print=None,
-        handler_cancellation=True,
-    )  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from mcore_rl.api_key import API_KEY_ENV
 from mcore_rl.rollout.sglang.placement import Placement, place_servers
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "MCORE_RL_API_KEY"
 SGLANG_COMMAND = [
     "{python}", "-m", "sglang.launch_server", "--model-path", "{model_path}", "--tp-size", "{tp_size}",
     "--port", "{port}", "--host", "{host}", "--mem-fraction-static={mem_fraction_static}", "{api_key_args}",

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from mcore_rl.api_key import resolve_api_key
 from mcore_rl.rollout.protocol import (
     EngineFailure,
     GenerationRequest,
@@ -41,21 +40,6 @@ from mcore_rl.rollout.sglang import weight_transfer
 from mcore_rl.rollout.sglang.client import AsyncSGLangClient, SGLangClientConfig
 
 log = logging.getLogger(__name__)
-
-
-def read_api_key(api_key_env: str | None = None, api_key_file: str | None = None) -> str | None:
-    """The API key from a file or an environment variable (never from the config itself: configs get logged)."""
-    if api_key_file:
-        key = Path(api_key_file).read_text().strip()
-        if not key:
-            raise ValueError(f"rollout.api_key_file {api_key_file} is empty")
-        return key
-    if api_key_env:
-        key = os.environ.get(api_key_env, "")
-        if not key:
-            raise ValueError(f"rollout.api_key_env={api_key_env}: that environment variable is not set")
-        return key
-    return None
 
 
 @dataclass
@@ -117,7 +101,7 @@ class SGLangEngine:
         --enable-deterministic-inference, without which it ignores seeds).
         nccl: {master_address, master_port, backend} to create the broadcast group on first use.
         """
-        api_key = read_api_key(api_key_env, api_key_file)
+        api_key = resolve_api_key(file=api_key_file, env=api_key_env, where="rollout.api_key_env")
         self._launcher = None
         self.gpu_ids: list[int] | None = None  # launcher.gpu_ids: server i's TP ranks sit on [i*tp, (i+1)*tp)
         self._restarted: set[str] = set()  # restarted servers still on old weights (tensor / nccl)

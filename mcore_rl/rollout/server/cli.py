@@ -1,0 +1,67 @@
+"""`mcore-rl-serve` command line: SGLang's launch flags (those that apply) -> a LocalEngine behind the HTTP app."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from aiohttp import web
+
+from mcore_rl.rollout.local.engine import LocalEngine
+from mcore_rl.rollout.server import auth, weight_update
+from mcore_rl.rollout.server.app import build_app
+from mcore_rl.rollout.server.state import Limits
+
+log = logging.getLogger("mcore_rl.serve")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="SGLang-compatible HTTP server over the mcore-rl local engine")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--weight-version", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="INFO")
+    auth.add_arguments(p)
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--max-samples-per-request", type=int, default=Limits.max_samples_per_request)
+    p.add_argument("--max-queued-samples", type=int, default=Limits.max_queued_samples)
+    p.add_argument("--weight-group-timeout-s", type=float, default=weight_update.GROUP_TIMEOUT_S,
+                   help="rendezvous and broadcast timeout of a joined weight-update group")  # fmt: skip
+    # SGLang's flags, accepted so one launcher command line fits both servers. This engine is always seeded
+    # per sample, and releases memory without a saver; both are reported in /server_info.
+    p.add_argument("--tp-size", type=int, default=1, choices=[1])
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine = LocalEngine(
+        args.model_path, device=args.device, dtype=args.dtype, num_threads=args.num_threads,
+        max_batch_size=args.max_batch_size, seed=args.seed, weight_version=args.weight_version,
+    )  # fmt: skip
+    info = {
+        "model_path": args.model_path, "host": args.host, "port": args.port, "tp_size": args.tp_size,
+        "dp_size": 1, "device": args.device, "dtype": args.dtype, "version": "mcore-rl-serve/0.1",
+        "enable_memory_saver": args.enable_memory_saver,
+        "enable_deterministic_inference": args.enable_deterministic_inference,
+    }  # fmt: skip
+    limits = Limits(args.max_body_bytes, args.max_samples_per_request, args.max_queued_samples)
+    key = auth.server_api_key(args)
+    log.info("mcore-rl-serve: http://%s:%d  model=%s  auth=%s", args.host, args.port, args.model_path,
+             "on" if key else "off")  # fmt: skip
+    web.run_app(
+        build_app(engine, info, limits=limits, api_key=key, weight_group_timeout_s=args.weight_group_timeout_s),
+        host=args.host, port=args.port, print=None,
+        handler_cancellation=True,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
