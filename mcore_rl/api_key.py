@@ -11,11 +11,13 @@ The trainer's client reads the same file (rollout.api_key_file) and sends `Autho
 from __future__ import annotations
 
 import argparse
+import hmac
 import os
 import runpy
 import secrets
 import stat
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 API_KEY_ENV = "MCORE_RL_API_KEY"  # how the launcher hands the key to the processes it starts (not argv)
@@ -72,6 +74,16 @@ def resolve_api_key(*, key: str | None = None, file: str | Path | None = None, e
     if env and not value and env_required:
         raise ApiKeyError(f"{where}={env}: that environment variable is not set")
     return value or None
+
+
+def bearer_header(key: str | None) -> dict[str, str] | None:
+    """What a client sends with every call when a key is set (SGLang's and the router's --api-key scheme)."""
+    return {"Authorization": f"Bearer {key}"} if key else None
+
+
+def has_bearer(headers: Mapping[str, str], key: str) -> bool:
+    """The server side of `bearer_header`, compared in constant time (no timing oracle for the key)."""
+    return hmac.compare_digest(headers.get("Authorization", "").encode(), f"Bearer {key}".encode())
 
 
 def _console_script(name: str):

@@ -8,7 +8,7 @@ import argparse
 
 from aiohttp import web
 
-from mcore_rl.api_key import API_KEY_ENV, resolve_api_key
+from mcore_rl.api_key import API_KEY_ENV, has_bearer, resolve_api_key
 from mcore_rl.rollout.server.state import STATE
 
 # SGLang leaves these open with --api-key (load balancers and the router probe them without credentials)
@@ -20,7 +20,7 @@ async def auth(request: web.Request, handler) -> web.StreamResponse:
     """`Authorization: Bearer <key>` on every path but /health* and /metrics, as SGLang's --api-key does."""
     key = request.app[STATE].api_key
     if key and not request.path.startswith(OPEN_PATHS):
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
+        if not has_bearer(request.headers, key):
             return web.json_response({"error": "Unauthorized"}, status=401)
     return await handler(request)
 

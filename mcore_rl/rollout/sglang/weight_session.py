@@ -40,7 +40,7 @@ class WeightSessions:
     # ------------------------------------------------------------------ sessions
     async def begin(self) -> None:
         """Open a session on every live worker; on any failure close those opened and raise the first error."""
-        from mcore_rl.rollout.sglang.client import SGLangHTTPError
+        from mcore_rl.rollout.sglang.transport import SGLangHTTPError
 
         self.error = None
         urls = self.client.live_workers()
@@ -98,7 +98,7 @@ class WeightSessions:
     # ------------------------------------------------------------------ groups
     async def destroy_group(self, group_name: str) -> None:
         """Leave `group_name` on every worker (a previous trainer's group); 'does not exist' is fine."""
-        from mcore_rl.rollout.sglang.client import SGLangHTTPError
+        from mcore_rl.rollout.sglang.transport import SGLangHTTPError
 
         async def one(url: str) -> None:
             try:
@@ -116,7 +116,7 @@ class WeightSessions:
     async def server_tp_sizes(self) -> dict[str, int | None]:
         """Each worker's `tp_size` from GET /server_info (cached; None where the server does not report it)."""
 
-        from mcore_rl.rollout.sglang.client import SGLangHTTPError
+        from mcore_rl.rollout.sglang.transport import SGLangHTTPError
 
         async def one(url: str) -> int | None:
             try:
