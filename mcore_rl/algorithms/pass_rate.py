@@ -53,10 +53,6 @@ class PassRateHistory:
     def is_retired(self, prompt_id: Hashable) -> bool:
         return prompt_id in self.retired
 
-    @property
-    def num_retired(self) -> int:
-        return len(self.retired)
-
     def metrics(self) -> dict[str, float]:
         seen = len(self.attempts)
         return {"retired_prompts": float(len(self.retired)), "seen_prompts": float(seen),

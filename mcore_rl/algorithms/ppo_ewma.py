@@ -40,7 +40,7 @@ from mcore_rl.algorithms.base import (
     TokenBatch,
 )
 from mcore_rl.algorithms.correction import LEVELS, check_choice, level_log_ratio
-from mcore_rl.algorithms.ewma import EwmaWeights, ewma_step
+from mcore_rl.algorithms.ewma import ewma_step
 from mcore_rl.algorithms.grpo import ppo_clip_loss
 from mcore_rl.algorithms.ops import log_ratio, masked_mean
 from mcore_rl.algorithms.reduce import Reducer
@@ -135,10 +135,6 @@ class PPOEWMA(Algorithm):
     @property
     def needs_prox_logp(self) -> bool:
         return not self.config.exact
-
-    def make_ewma(self, params: list[Tensor]) -> EwmaWeights:
-        """The proximal weights the trainer keeps (update after each step, reset on request)."""
-        return EwmaWeights(params, self.config.ewma_beta)
 
     def gate(self, token_log_ratio: Tensor, m: Tensor, gap_steps: float) -> Tensor:
         """Train-Infer Mask at ti_level: the TI bounds widened by `gap_steps` steps of clip-bounded drift."""

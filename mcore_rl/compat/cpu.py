@@ -193,12 +193,3 @@ def apply() -> bool:
     _MODE.__enter__()
     _APPLIED = True
     return True
-
-
-def is_applied() -> bool:
-    return _APPLIED
-
-
-def megatron_sites() -> dict[str, int]:
-    """Interceptions whose caller is Megatron code, {"kind @ megatron/core/file.py:line": count}."""
-    return {k: v for k, v in HITS.items() if "@ megatron/core/" in k}

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor
 
 from mcore_rl.oldlogp.audit import Auditor
@@ -104,7 +103,3 @@ class OldLogpSource:
 def recompute_logp(ctx: SourceContext, rb) -> Tensor | None:
     """The trainer's forward with its live weights (None off the last PP stage)."""
     return ctx.policy.logprobs(rb.policy_batch(), ctx.temperature)
-
-
-def zeros_like_rollout(rb) -> Tensor:
-    return torch.zeros_like(rb.rollout_logp)

@@ -125,8 +125,3 @@ class Policy:
             out.update(self.router_load.read())
         return out
 
-    def train_step(self, batch: PolicyBatch, loss_fn: LossFn, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[list[dict], dict[str, float]]:
-        self.zero_grad()
-        outs = self.forward_backward(batch, loss_fn, temperature, with_entropy)
-        return outs, self.optimizer_step()

@@ -105,9 +105,6 @@ class Sample:
     def num_output_tokens(self) -> int:
         return len(self.output_ids)
 
-    def logprobs_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.output_logprobs, dtype=torch.float32)
-
 
 @runtime_checkable
 class RolloutEngine(Protocol):

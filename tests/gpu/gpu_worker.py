@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from tests.train_step import train_step
+
 
 def collectives() -> dict:
     import torch.distributed as dist
@@ -65,7 +67,7 @@ def parity(model_dir: str) -> dict:
         pols[dtype] = pol
     diff = (logp["bf16"] - logp["fp32"]).abs()
     pol = pols["bf16"]
-    _, step = pol.train_step(batch, lambda mb, lp, ent: (-(lp * mb.loss_mask).sum() / mb.loss_mask.sum(), {}))
+    _, step = train_step(pol, batch, lambda mb, lp, ent: (-(lp * mb.loss_mask).sum() / mb.loss_mask.sum(), {}))
     after = pol.logprobs(batch, temperature=1.0)[:, 1:].float().cpu()
     return {"max_diff": diff.max().item(), "mean_diff": diff.mean().item(), "logp_mean": logp["fp32"].mean().item(),
             "train": {k: float(v) for k, v in step.items() if isinstance(v, (int, float))},

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mcore_rl.policy.step import PolicyBatch
+from tests.train_step import train_step
 
 # ---- worker side -----------------------------------------------------------------------------------------------
 
@@ -89,7 +90,7 @@ def step_from_shared_checkpoint(policy, hf: str, ckpt: str, save_init: bool) -> 
     # data parallel: each DP rank trains on its own rows; weights are global, so the summed loss is the same
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = [i for i in range(len(batch)) if i % dp == dpr]
-    _, stats = policy.train_step(batch.select(rows), loss_fn)
+    _, stats = train_step(policy, batch.select(rows), loss_fn)
     after = policy.logprobs(batch)
     is_reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dpr == 0
     return StepResult(batch, mask, before, after, stats, is_reporter)

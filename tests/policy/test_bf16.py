@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.train_step import train_step
 
 pytestmark = pytest.mark.multiproc  # builds real Megatron modules (one gloo rank)
 
@@ -114,7 +115,7 @@ def test_bf16_uses_megatron_mixed_precision(logprobs_by_dtype):
     assert all(g["fused"] for o in opts for g in o.optimizer.param_groups)  # fused CPU AdamW (policy/build.py)
     before = mains[0].detach().clone()
     tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
-    _, m = pol.train_step(PolicyBatch(tokens, torch.ones(2, 16)),
+    _, m = train_step(pol, PolicyBatch(tokens, torch.ones(2, 16)),
                           lambda mb, logp, ent: (-(logp * mb.loss_mask).sum() / 32, {}))
     assert m["update_ok"] == 1.0 and 0 < m["grad_norm"] < 1e4
     assert not torch.equal(before, mains[0])  # fp32 master weights moved

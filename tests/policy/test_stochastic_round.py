@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mcore_rl.policy.stochastic_round import stochastic_round_to_bf16_
+from tests.train_step import train_step
 
 pytestmark = pytest.mark.multiproc  # the policy tests build real Megatron modules (one gloo rank)
 
@@ -61,7 +62,7 @@ def _step(pol) -> None:
     from mcore_rl.policy.step import PolicyBatch
 
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    _, m = pol.train_step(PolicyBatch(tokens, torch.ones(2, 16)),
+    _, m = train_step(pol, PolicyBatch(tokens, torch.ones(2, 16)),
                           lambda mb, logp, ent: (-(logp * mb.loss_mask).sum() / 32, {}))
     assert m["update_ok"] == 1.0
 

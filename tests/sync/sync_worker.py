@@ -15,6 +15,7 @@ from mcore_rl.policy.policy import Policy, PolicyConfig
 from mcore_rl.policy.step import PolicyBatch
 from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 from mcore_rl.rollout.weight_sync.transports import SyncOptions
+from tests.train_step import train_step
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     tokens = torch.randint(0, policy.args.vocab_size, (3, 20), generator=g)
     mask = torch.ones(3, 20)
     batch = PolicyBatch(tokens, mask)
-    policy.train_step(batch, lambda mb, lp, e: (-(lp * mb.loss_mask).sum() / 60, {}))  # weights now differ from HF
+    train_step(policy, batch, lambda mb, lp, e: (-(lp * mb.loss_mask).sum() / 60, {}))  # weights now differ from HF
     ref = policy.logprobs(batch, temperature=0.8)
     engine = None
     if dist.get_rank() == 0:
