@@ -1,4 +1,4 @@
-"""HF <-> Megatron checkpoint conversion (CLI: `mcore-rl-convert`, see tools/convert_ckpt/README.md)."""
+"""HF <-> Megatron checkpoint conversion (CLI: `mcore-rl-convert`, see docs/convert.md)."""
 
 from mcore_rl.convert.common import ConvertError
 from mcore_rl.convert.hf_to_mcore import hf_to_mcore

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = REPO / "tools" / "convert_ckpt" / "convert.py"
+CLI = ["-m", "mcore_rl.convert.cli"]  # mcore-rl-convert, run from the checkout
 
 
 def qwen2_config():
@@ -80,8 +80,8 @@ def _env() -> dict[str, str]:
 
 
 def run_cli(*args: str, rc: int | None = 0, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python tools/convert_ckpt/convert.py --quiet ARGS`; asserts the exit code unless rc is None."""
-    proc = subprocess.run([sys.executable, str(CLI), "--quiet", *map(str, args)], capture_output=True, text=True,
+    """`mcore-rl-convert --quiet ARGS`; asserts the exit code unless rc is None."""
+    proc = subprocess.run([sys.executable, *CLI, "--quiet", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=_env(), cwd=REPO)
     if rc is not None and proc.returncode != rc:
         raise AssertionError(f"exit {proc.returncode} (wanted {rc}) for {args}:\n{proc.stdout[-3000:]}\n"

@@ -181,7 +181,7 @@ def test_killed_conversion_leaves_no_complete_checkpoint(tmp_path):
                                                              num_key_value_heads=2, vocab_size=8192))
     out = tmp_path / "ckpt"
     staging = tmp_path / ".ckpt.partial.tmp"
-    cmd = [sys.executable, str(CLI), "--quiet", "hf-to-mcore", "--hf", str(hf), "--out", str(out), "--tp", "2"]
+    cmd = [sys.executable, *CLI, "--quiet", "hf-to-mcore", "--hf", str(hf), "--out", str(out), "--tp", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     try:
