@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mcore_rl import fsio
 from mcore_rl.agreement import FatalRunError, any_rank
 from mcore_rl.distributed import barrier, global_rank
+from mcore_rl.faults import crash_point
 
 log = logging.getLogger("mcore_rl")
 
@@ -175,7 +176,7 @@ def save_dist_checkpoint(
 
     `rank_state`: per-rank extras (RNG states, EWMA shards, ...) saved as `rank_XXXXX.pt` inside the same
     atomic directory; load them back with `load_rank_state` (weights_only, so keep them to tensors/containers).
-    `step` only names the save for the crash-test hooks (fsio.fault_point).
+    `step` only names the save for the crash-test hooks (mcore_rl.faults.crash_point).
     """
     from megatron.core import dist_checkpointing
 
@@ -197,7 +198,7 @@ def save_dist_checkpoint(
     _use_in_process_results_queue()
     try:
         dist_checkpointing.save(sharded, str(tmp))
-        fsio.fault_point("during_shards", step)
+        crash_point("during_shards", step)
         if rank_state is not None:
             torch.save(rank_state, tmp / f"rank_{global_rank():05d}.pt")
         _fsync_own_files(tmp, global_rank())
@@ -209,8 +210,8 @@ def save_dist_checkpoint(
         try:
             record = {**(meta or {}), FILES_KEY: file_manifest(tmp)}
             fsio.write_file_atomic(tmp / COMPLETE, json.dumps(record, indent=2, default=str))
-            fsio.fault_point("after_complete", step)
-            fsio.commit_staging(tmp, final, on_swap=lambda: fsio.fault_point("between_swap", step))
+            crash_point("after_complete", step)
+            fsio.commit_staging(tmp, final, on_swap=lambda: crash_point("between_swap", step))
         except OSError as e:
             err = f"{type(e).__name__}: {e}"
     if any_rank(err is not None):

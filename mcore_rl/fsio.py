@@ -7,10 +7,7 @@ it (the rename itself is a change to the parent). Deleting a folder first rename
 readers scan (to `<name>.old`), so a half-deleted folder can never look complete. Leftover `.tmp`/`.old`
 folders from a crash are swept by `sweep_stale`.
 
-Test hooks: `fault_point(name, step)` SIGKILLs the process when `MCORE_RL_CRASH_AT` names that point (`name` or
-`name:step`), so crash tests kill at exact save points instead of racing a timer. `MCORE_RL_FSYNC_LOG=<file>`
-appends `<inode> <path>` for every fsync (the inode survives the renames that follow), so a test can simulate
-power loss by truncating every file that was never fsynced.
+Every fsync is reported to `mcore_rl.faults.log_fsync` (the fault suite's power-loss simulation reads it).
 """
 
 from __future__ import annotations
@@ -18,31 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+from mcore_rl.faults import log_fsync
+
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
-CRASH_ENV = "MCORE_RL_CRASH_AT"
-FSYNC_LOG_ENV = "MCORE_RL_FSYNC_LOG"
-
-
-def fault_point(name: str, step: int | None = None) -> None:
-    """Die here (SIGKILL, no cleanup, like a node crash) when MCORE_RL_CRASH_AT is `name` or `name:step`."""
-    want = os.environ.get(CRASH_ENV)
-    if not want:
-        return
-    point, _, at = want.partition(":")
-    if point == name and (not at or (step is not None and int(at) == step)):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _log_fsync(path: Path) -> None:
-    log = os.environ.get(FSYNC_LOG_ENV)
-    if log:
-        with open(log, "a") as f:
-            f.write(f"{os.stat(path).st_ino} {os.path.abspath(path)}\n")
 
 
 def _fsync(path: str | Path, flags: int) -> None:
@@ -51,7 +30,7 @@ def _fsync(path: str | Path, flags: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _log_fsync(Path(path))
+    log_fsync(Path(path))
 
 
 def fsync_file(path: str | Path) -> None:
@@ -85,7 +64,7 @@ def write_file_atomic(path: str | Path, data: str | bytes) -> None:
         f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
-    _log_fsync(tmp)
+    log_fsync(tmp)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

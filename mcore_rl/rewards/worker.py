@@ -8,8 +8,8 @@ under load: AttributeError on every gold). RLIMIT_CPU bounds a worker whose pare
 its memory (sympy on adversarial input can allocate without bound): past it the case scores 0 with reason
 `memory_limit` and the worker exits, so the pool replaces it with a clean one.
 
-`MCORE_RL_FAULT_REWARD` (read by the parent when the options are made) is a fault-suite hook: `crash` makes every
-case kill its worker, `alloc` makes every case allocate without bound.
+`WorkerOptions.fault` carries the fault suite's reward hook (mcore_rl/faults.py), read by the parent when the options
+are made.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcore_rl.faults import act_reward_fault, reward_fault
 from mcore_rl.rewards.extract import extract_answer, max_brace_depth
 
 # (score, correct, reason, extracted): a plain tuple crosses the pipe cheaply.
 CaseResult = tuple[float, bool, str, str | None]
-FAULT_ENV = "MCORE_RL_FAULT_REWARD"
 MEMORY_LIMIT = "memory_limit"
 
 
@@ -52,22 +52,13 @@ def limit_address_space(extra_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def _inject_fault(kind: str) -> None:
-    if kind == "crash":
-        os._exit(3)
-    if kind == "alloc":
-        hog = []
-        while True:
-            hog.append(bytearray(64 * 2**20))
-
-
 @dataclass(frozen=True)
 class WorkerOptions:
     cpu_limit_s: int = 10  # per-case CPU budget enforced by the kernel (orphan guard; SIGXCPU kills)
     max_answer_chars: int = 512  # longer candidates are junk, not answers
     max_nesting: int = 32
     memory_limit_mb: int = 4096  # address space a worker may add on top of its warmed-up size (RLIMIT_AS)
-    fault: str | None = field(default_factory=lambda: os.environ.get(FAULT_ENV) or None)
+    fault: str | None = field(default_factory=reward_fault)
 
 
 def _parse(text: str) -> list:
@@ -125,7 +116,7 @@ def _guarded(response: str, gold: str, opts: WorkerOptions) -> CaseResult:
         resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
     try:
         if opts.fault:
-            _inject_fault(opts.fault)
+            act_reward_fault(opts.fault)
         return verify_case(response, gold, opts)
     except MemoryError:
         return 0.0, False, MEMORY_LIMIT, None

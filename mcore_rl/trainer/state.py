@@ -28,6 +28,7 @@ from mcore_rl.checkpoint_io import (
     step_dirs,
 )
 from mcore_rl.distributed import global_rank
+from mcore_rl.faults import crash_point
 
 log = logging.getLogger("mcore_rl")
 
@@ -67,14 +68,14 @@ def save_checkpoint(ckpt_root: str | Path, update: int, policy, trainer_state: d
     rank_state = {"rng": rng_state(), **(rank_extra or {})}
     save_dist_checkpoint(path, policy.model, policy.optimizer, meta=meta, overwrite=True, rank_state=rank_state,
                          step=update)
-    fsio.fault_point("after_rename", update)
+    crash_point("after_rename", update)
     err = None
     if global_rank() == 0:
         try:
             fsio.write_file_atomic(root / "latest", path.name)
-            fsio.fault_point("after_latest", update)
+            crash_point("after_latest", update)
             for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
-                fsio.remove_tree(old, on_renamed=lambda: fsio.fault_point("during_prune", update))
+                fsio.remove_tree(old, on_renamed=lambda: crash_point("during_prune", update))
         except OSError as e:
             err = f"{type(e).__name__}: {e}"
     if any_rank(err is not None):  # also the closing sync point: every rank hears of rank 0's failure

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from mcore_rl.agreement import FatalRunError, any_rank
 from mcore_rl.algorithms import Algorithm, TokenBatch
 from mcore_rl.distributed import broadcast_floats, sum_reducer
+from mcore_rl.faults import nan_at
 from mcore_rl.trainer.rollout_batch import RolloutBatch
 
 log = logging.getLogger("mcore_rl")
@@ -67,20 +67,6 @@ def mean_metrics(dicts: list[dict]) -> dict[str, float]:
 
 
 # ---- non-finite guard (kept apart from the update itself) ------------------------------------------------------
-INJECT_NAN_ENV = "MCORE_RL_INJECT_NAN_AT"  # test hook: "3" or "3,4,5" (updates), optional "@1" (only that rank)
-
-
-def _inject_nan(update_index: int | None) -> bool:
-    """Fault-suite hook: make this rank's loss NaN at the listed updates (1-based update index)."""
-    spec = os.environ.get(INJECT_NAN_ENV)
-    if not spec or update_index is None:
-        return False
-    updates, _, rank = spec.partition("@")
-    if rank and int(rank) != (dist.get_rank() if dist.is_initialized() else 0):
-        return False
-    return update_index in {int(x) for x in updates.split(",") if x.strip()}
-
-
 def local_grad_norm(model) -> float:
     """This rank's gradient norm (Megatron DDP keeps gradients in `main_grad`)."""
     grads = []
@@ -135,7 +121,7 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
     adv_tok = advantages[:, None].float() * rb.loss_mask
     extras = {"adv": adv_tok, "rollout_logp": rb.rollout_logp, "w": weights.float(), **anchors}
     batch = rb.policy_batch(**extras)
-    inject = _inject_nan(update_index)
+    inject = nan_at(update_index)  # fault-suite hook (mcore_rl/faults.py)
 
     def loss_fn(mb, logp, entropy):
         tb = TokenBatch(

@@ -1,4 +1,4 @@
-"""Crash matrix: the real trainer SIGKILLed at each point of a checkpoint save (through the fsio.fault_point hook,
+"""Crash matrix: the real trainer SIGKILLed at each point of a checkpoint save (through the faults.crash_point hook,
 no timing races), then a simulated power loss (every file the save did not fsync is truncated to 0 bytes), then a
 resume. Each time the resume loads a good step, sweeps the leftovers, and reproduces the uninterrupted run's
 losses within 1e-6. A corrupted newest step is rejected with its reason and the next older one is used."""

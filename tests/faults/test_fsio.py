@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from mcore_rl import fsio
+from mcore_rl import faults, fsio
 
 pytestmark = pytest.mark.faults
 
 
 def test_atomic_dir_publishes_durably_and_logs_every_fsync(tmp_path, monkeypatch):
     log = tmp_path / "fsync.log"
-    monkeypatch.setenv(fsio.FSYNC_LOG_ENV, str(log))
+    monkeypatch.setenv(faults.FSYNC_LOG_ENV, str(log))
     out = tmp_path / "out"
     with fsio.atomic_dir(out) as tmp:
         (tmp / "sub").mkdir()
@@ -48,15 +48,15 @@ def test_crash_between_swap_renames_leaves_a_recoverable_old(tmp_path):
     out = tmp_path / "out"
     code = f"""
 from pathlib import Path
-from mcore_rl import fsio
+from mcore_rl import faults, fsio
 out = Path({str(out)!r})
 with fsio.atomic_dir(out) as t:
     (t / "v").write_text("old")
 tmp = fsio.prepare_staging(out, overwrite=True)
 (tmp / "v").write_text("new")
-fsio.commit_staging(tmp, out, on_swap=lambda: fsio.fault_point("between_swap"))
+fsio.commit_staging(tmp, out, on_swap=lambda: faults.crash_point("between_swap"))
 """
-    env = {**os.environ, fsio.CRASH_ENV: "between_swap"}
+    env = {**os.environ, faults.CRASH_ENV: "between_swap"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=60)
     assert proc.returncode == -9
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.old", "out.tmp"]
