@@ -8,8 +8,9 @@ from mcore_rl.policy.policy import LossFn, Policy
 from mcore_rl.policy.step import PolicyBatch
 
 
-def train_step(policy: Policy, batch: PolicyBatch, loss_fn: LossFn, temperature: float = 1.0,
-               with_entropy: bool = False) -> tuple[list[dict], dict[str, float]]:
+def train_step(
+    policy: Policy, batch: PolicyBatch, loss_fn: LossFn, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[list[dict], dict[str, float]]:
     """zero_grad -> forward_backward -> optimizer_step; returns (per-micro-batch loss outputs, step metrics)."""
     policy.zero_grad()
     outs = policy.forward_backward(batch, loss_fn, temperature, with_entropy)

@@ -158,6 +158,12 @@ def run(a: argparse.Namespace) -> int:
             es.scorer.close()
         scratch.cleanup()
     print(format_table([(r.spec, r.summary) for r in results], ks, n))
+    _write_results(a, model, results)
+    return 0
+
+
+def _write_results(a: argparse.Namespace, model, results: list) -> None:
+    """One summary line per set appended to --out; every prompt's responses and verdicts to --samples-out."""
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = time.time()
@@ -173,7 +179,6 @@ def run(a: argparse.Namespace) -> int:
                 for row in r.per_prompt:
                     f.write(json.dumps({"set": r.spec, **row}) + "\n")
         print(f"wrote {a.samples_out}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

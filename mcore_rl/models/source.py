@@ -34,9 +34,16 @@ def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
     tok = AutoTokenizer.from_pretrained(src)
     seed = spec.pop("seed", 0)
     model_type = spec.pop("model_type", "llama")  # any transformers model type the families cover
-    config = AutoConfig.for_model(model_type, vocab_size=len(tok), tie_word_embeddings=True,
-                                  max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **spec)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tok),
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **spec,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

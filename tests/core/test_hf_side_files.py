@@ -50,8 +50,14 @@ def test_side_files_are_every_non_weight_file(source_model, tmp_path):
     (source_model / "pytorch_model.bin").write_bytes(b"0")
     (source_model / ".gitattributes").write_text("*")
     names = {p.name for p in side_files(source_model)}
-    assert names == {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "chat_template.jinja", *EXTRA}
+    assert names == {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        *EXTRA,
+    }
     out = write_hf_folder([("w", torch.arange(4.0))], tmp_path / "v1", config_dir=source_model)
     _assert_same_side_files(source_model, out)
     assert sorted(p.name for p in out.iterdir()) == sorted([*names, "model.safetensors"])
@@ -60,9 +66,18 @@ def test_side_files_are_every_non_weight_file(source_model, tmp_path):
 def test_exported_run_has_every_side_file_of_its_model(source_model, tmp_path):
     """A real run (no update; the end-of-run export still writes hf/) started from the folder above."""
     run_dir = tmp_path / "run"
-    proc = run_module("mcore_rl.train", "model=tiny", "model.dtype=fp32", f"model.hf_path={source_model}",
-                      "trainer.steps=0", "eval.num_prompts=0", "logging.progress=false", "logging.plot=false",
-                      "logging.tensorboard=false", f"run.dir={run_dir}")
+    proc = run_module(
+        "mcore_rl.train",
+        "model=tiny",
+        "model.dtype=fp32",
+        f"model.hf_path={source_model}",
+        "trainer.steps=0",
+        "eval.num_prompts=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.tensorboard=false",
+        f"run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     _assert_same_side_files(source_model, run_dir / "hf")
     from mcore_rl.models.hf_io import HFReader

@@ -93,7 +93,9 @@ def main() -> None:
     policy.load_hf(a.hf)
     tokens = torch.randint(0, policy.args.vocab_size, (3, 20), generator=torch.Generator().manual_seed(3))
     batch = PolicyBatch(tokens, torch.ones(3, 20))
-    train_step(policy, batch, lambda mb, lp, e: (-(lp * mb.loss_mask).sum() / 60, {}))  # weights now differ from HF
+    train_step(
+        policy, batch, lambda mb, lp, e: (-(lp * mb.loss_mask).sum() / 60, {})
+    )  # weights now differ from HF
     engine = None
     if D.global_rank() == 0:
         from mcore_rl.rollout.sglang.remote_engine import SGLangEngine

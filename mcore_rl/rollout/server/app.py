@@ -219,5 +219,3 @@ def build_app(
     if close_engine:
         app.on_cleanup.append(_close)
     return app
-
-

@@ -27,8 +27,9 @@ async def auth(request: web.Request, handler) -> web.StreamResponse:
 
 def server_api_key(args: argparse.Namespace) -> str | None:
     """The key from the command line's --api-key / --api-key-file, else the launcher's environment variable."""
-    return resolve_api_key(key=args.api_key, file=args.api_key_file, env=API_KEY_ENV, env_required=False,
-                           where="--api-key-file")
+    return resolve_api_key(
+        key=args.api_key, file=args.api_key_file, env=API_KEY_ENV, env_required=False, where="--api-key-file"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

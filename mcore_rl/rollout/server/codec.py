@@ -57,13 +57,8 @@ def _sampling(sp: dict[str, Any], where: str) -> SamplingParams:
         raise BadRequest(f"{where}: {exc}") from None
 
 
-def parse_generate(
-    body: dict[str, Any], tokenizer, context_len: int | None = None, vocab_size: int | None = None
-) -> tuple[list[GenerationRequest], list[dict], bool]:
-    """SGLang /generate body (types already checked) -> (requests, per-item options, single).
-
-    Mirrors SGLang's normalisation; like SGLang, a prompt + max_new_tokens beyond the context length is a 400.
-    """
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """What this engine cannot do is a 400 naming the field, never silently ignored."""
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise BadRequest("/generate: give exactly one of text or input_ids")
     for key, ok in (
@@ -75,6 +70,10 @@ def parse_generate(
             raise BadRequest(f"/generate: {key}={body.get(key)!r} is not supported by mcore-rl-serve")
     if body.get("stream"):
         raise BadRequest("/generate: stream=true is not supported by mcore-rl-serve")
+
+
+def _prompts(body: dict[str, Any], tokenizer, vocab_size: int | None) -> tuple[list[list[int]], bool]:
+    """(prompt token ids, single): text is tokenized; ids must be in the vocabulary."""
     if body.get("text") is not None:
         if tokenizer is None:
             raise BadRequest("/generate: text input needs a tokenizer; this model folder has none")
@@ -91,6 +90,18 @@ def parse_generate(
         for i, p in enumerate(prompts):
             if any(not 0 <= t < vocab_size for t in p):
                 raise BadRequest(f"/generate: input_ids[{i}] has token ids out of range [0, {vocab_size})")
+    return prompts, single
+
+
+def parse_generate(
+    body: dict[str, Any], tokenizer, context_len: int | None = None, vocab_size: int | None = None
+) -> tuple[list[GenerationRequest], list[dict], bool]:
+    """SGLang /generate body (types already checked) -> (requests, per-item options, single).
+
+    Mirrors SGLang's normalisation; like SGLang, a prompt + max_new_tokens beyond the context length is a 400.
+    """
+    _refuse_unsupported(body)
+    prompts, single = _prompts(body, tokenizer, vocab_size)
     n = len(prompts)
     sps = _per_item(body.get("sampling_params"), n, "sampling_params", {})
     rids = body.get("rid")

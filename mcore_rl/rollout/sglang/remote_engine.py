@@ -111,15 +111,7 @@ class SGLangEngine:
         self._resync_lock = threading.Lock()
         self._lt = _LoopThread()
         if not worker_urls and launcher is not None:
-            from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
-
-            launch = {**launcher, "model_path": launcher.get("model_path") or model_path}
-            launch.setdefault("deterministic", deterministic)
-            cfg = LauncherConfig(**launch, api_key=api_key)
-            self._launcher = ServerLauncher(cfg, on_restart=self._on_restart).start()
-            worker_urls, router_url = self._launcher.worker_urls, self._launcher.router_url
-            tp_size = cfg.tp_size
-            self.gpu_ids = cfg.gpu_ids
+            worker_urls, router_url, tp_size = self._launch(launcher, model_path, deterministic, api_key)
         self.cfg = SGLangClientConfig(worker_urls=list(worker_urls or []), router_url=router_url,
                                       seeded=deterministic, api_key=api_key, **client_kwargs)  # fmt: skip
         self.model_path = model_path
@@ -140,6 +132,19 @@ class SGLangEngine:
             set()
         )  # per-PP-stage groups the servers joined (weight_sync/pp_broadcast)
         self.restarts_seen = 0
+
+    def _launch(
+        self, launcher: dict, model_path: str | None, deterministic: bool, api_key: str | None
+    ) -> tuple[list[str], str | None, int]:
+        """Start the servers here (rollout.launcher): (worker URLs, router URL or None, TP size per server)."""
+        from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
+
+        launch = {**launcher, "model_path": launcher.get("model_path") or model_path}
+        launch.setdefault("deterministic", deterministic)
+        cfg = LauncherConfig(**launch, api_key=api_key)
+        self._launcher = ServerLauncher(cfg, on_restart=self._on_restart).start()
+        self.gpu_ids = cfg.gpu_ids
+        return self._launcher.worker_urls, self._launcher.router_url, cfg.tp_size
 
     @property
     def tp_size(self) -> int:

@@ -57,8 +57,12 @@ class HTTPTransport:
     """Calls to the servers; the client's generation and control calls are built on `request` and `post_all`.
     Create and use it inside one event loop."""
 
-    def __init__(self, config: SGLangClientConfig, on_payload: Callable[[str, dict], None] | None = None,
-                 tolerate: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        config: SGLangClientConfig,
+        on_payload: Callable[[str, dict], None] | None = None,
+        tolerate: Callable[[str], bool] | None = None,
+    ) -> None:
         """tolerate(url): True when a failed control call to that worker may be skipped (it is being
         restarted and gets the current weights replayed when it is back)."""
         self.cfg = config
