@@ -111,21 +111,6 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def grad_buffer_bytes(model: torch.nn.Module) -> int:
-    """Bytes of gradient storage a model holds: Megatron DDP's contiguous buffers (`main_grad` views into them)
-    plus any plain `.grad`. What a frozen policy must not hold."""
-    total = 0
-    for buffers in (getattr(model, "buffers", None), getattr(model, "expert_parallel_buffers", None)):
-        for buf in buffers if isinstance(buffers, list) else []:
-            total += buf.grad_data.numel() * buf.grad_data.element_size()
-    if total == 0:  # no DDP buffers: count per-parameter gradients
-        for p in model.parameters():
-            for g in (getattr(p, "main_grad", None), p.grad):
-                if g is not None:
-                    total += g.numel() * g.element_size()
-    return total
-
-
 def build_optimizer(model, build: BuildConfig, optim: OptimSettings, decay_steps: int, seed: int = 0):
     """Megatron's AdamW over `model` plus its LR/WD scheduler. `optim` is the `optim.*` Hydra group's dataclass
     itself (one definition of the keys); `decay_steps` is the schedule's length, which the trainer takes from

@@ -22,10 +22,23 @@ def pair(tiny_llama_dir):
     return live, frozen
 
 
+def grad_buffer_bytes(model) -> int:
+    """Bytes of gradient storage a model holds: Megatron DDP's contiguous buffers (`main_grad` views into them)
+    plus any plain `.grad`. What a frozen policy must not hold."""
+    total = 0
+    for buffers in (getattr(model, "buffers", None), getattr(model, "expert_parallel_buffers", None)):
+        for buf in buffers if isinstance(buffers, list) else []:
+            total += buf.grad_data.numel() * buf.grad_data.element_size()
+    if total == 0:  # no DDP buffers: count per-parameter gradients
+        for p in model.parameters():
+            for g in (getattr(p, "main_grad", None), p.grad):
+                if g is not None:
+                    total += g.numel() * g.element_size()
+    return total
+
+
 def test_frozen_policy_holds_no_gradient_buffers(pair):
     from megatron.core.distributed import DistributedDataParallel
-
-    from mcore_rl.policy.build import grad_buffer_bytes
 
     live, frozen = pair
     assert isinstance(live.model, DistributedDataParallel) and not isinstance(

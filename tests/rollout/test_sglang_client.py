@@ -24,16 +24,15 @@ from mcore_rl.rollout.sglang.api import (
     SAMPLING_FIELDS,
     SGLANG_FIELDS,
     check_payload,
-    distributed_update_payload,
     init_group_payload,
     serialize_named_tensors,
-    tensor_update_payload,
 )
 from mcore_rl.rollout.sglang.client import AsyncSGLangClient, SGLangClientConfig, SGLangHTTPError
 from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher, free_port
 from mcore_rl.rollout.sglang.remote_engine import SGLangEngine
 from mcore_rl.rollout.weight_sync.transports import SyncOptions, send_weights
 from tests.rollout.conftest import forward_logprobs
+from tests.rollout.sglang_payloads import distributed_update_payload, tensor_update_payload
 
 pytestmark = pytest.mark.rollout
 RECORDED: list[tuple[str, dict]] = []  # every payload any client in this module sent

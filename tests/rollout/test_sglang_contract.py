@@ -241,15 +241,15 @@ def test_distributed_update_over_gloo_then_tensor_update_change_generation(
 
     from mcore_rl.config.checks import ConfigError
     from mcore_rl.rollout.server import weight_update as wu
-    from mcore_rl.rollout.sglang.api import (
-        distributed_update_payload,
-        serialize_per_rank,
-        tensor_update_payload,
-    )
     from mcore_rl.rollout.sglang.client import AsyncSGLangClient, SGLangClientConfig, SGLangHTTPError
     from mcore_rl.rollout.sglang.launcher import free_port
     from mcore_rl.rollout.weight_sync.dist_group import destroy_weight_update_group, init_weight_update_group
     from tests.rollout.conftest import forward_logprobs
+    from tests.rollout.sglang_payloads import (
+        distributed_update_payload,
+        serialize_per_rank,
+        tensor_update_payload,
+    )
 
     prompt = [5, 9, 17, 33]
     name = "model.layers.1.mlp.down_proj.weight"
@@ -327,8 +327,8 @@ def test_failed_update_still_closes_the_session(server):
     """An update refused midway: the caller sees that error, and the session is closed (a new one opens)."""
     import torch
 
-    from mcore_rl.rollout.sglang.api import serialize_per_rank, tensor_update_payload
     from mcore_rl.rollout.sglang.client import AsyncSGLangClient, SGLangClientConfig, SGLangHTTPError
+    from tests.rollout.sglang_payloads import serialize_per_rank, tensor_update_payload
 
     async def scenario():
         client = AsyncSGLangClient(SGLangClientConfig([server]))

@@ -13,10 +13,12 @@ import sys
 import pytest
 import torch
 
-from mcore_rl.rollout.sglang.api import SGLANG_FIELDS, serialize_per_rank, tensor_update_payload
+from mcore_rl.rollout.server.weight_update import flat_views
+from mcore_rl.rollout.sglang.api import SGLANG_FIELDS
 from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
 from mcore_rl.rollout.sglang.weight_transfer import ipc_payload, rank_devices, tensor_payload
 from mcore_rl.rollout.weight_sync import flat_bucket
+from tests.rollout.sglang_payloads import serialize_per_rank, tensor_update_payload
 
 pytestmark = pytest.mark.rollout
 
@@ -50,7 +52,7 @@ def test_flat_bucket_payload_per_tp_rank_on_cpu():
         assert flat.dtype == torch.uint8 and flat.dim() == 1 and flat.numel() == 16 * 8 * 4 + 4 * 8 * 2
         assert [(m.start_idx, m.end_idx, m.numel) for m in meta] == [(0, 512, 512), (512, 576, 64)]
         assert [m.dtype for m in meta] == [torch.float32, torch.bfloat16]
-        for (n, a), (m, b) in zip(flat_bucket.unflatten(flat, meta), named):
+        for (n, a), (m, b) in zip(flat_views(flat, meta), named):  # the server's reader
             assert n == m and a.dtype == b.dtype and torch.equal(a, b)
 
 
@@ -88,11 +90,11 @@ DECODE = r"""
 import base64, sys, torch
 from multiprocessing.reduction import ForkingPickler
 from mcore_rl.rollout.sglang.api import patch_torch_reductions
-from mcore_rl.rollout.weight_sync.flat_bucket import unflatten
+from mcore_rl.rollout.server.weight_update import flat_views
 patch_torch_reductions()
 for line in sys.stdin.read().split():
     got = ForkingPickler.loads(base64.b64decode(line))
-    named = unflatten(got["flattened_tensor"], got["metadata"])
+    named = flat_views(got["flattened_tensor"], got["metadata"])
     print(" ".join(f"{n}:{t.device}:{float(t.float().sum()):.6f}" for n, t in named))
 """
 

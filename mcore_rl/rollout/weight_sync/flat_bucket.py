@@ -64,11 +64,6 @@ def tensor_bucket(
     return {"flattened_tensor": flat, "metadata": meta}
 
 
-def unflatten(flat: torch.Tensor, meta: list[Any]) -> list[tuple[str, torch.Tensor]]:
-    """The receiver's view of a flat bucket (SGLang's `reconstruct_tensors`)."""
-    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in meta]
-
-
 def flat_groups(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
