@@ -51,7 +51,7 @@ def test_every_reader_goes_through_the_mode_check(tmp_path, monkeypatch):
     with pytest.raises(ApiKeyError, match="has mode 640"):
         resolve_api_key(file=key_file)
     monkeypatch.delenv("MCORE_RL_TEST_KEY", raising=False)
-    with pytest.raises(ApiKeyError, match=r"^rollout.api_key_env=MCORE_RL_TEST_KEY: that environment variable"):
+    with pytest.raises(ApiKeyError, match=r"^rollout.api_key_env=MCORE_RL_TEST_KEY: that environment var"):
         resolve_api_key(env="MCORE_RL_TEST_KEY", where="rollout.api_key_env")
     monkeypatch.setenv("MCORE_RL_TEST_KEY", " k1 \n")
     assert resolve_api_key(env="MCORE_RL_TEST_KEY") == "k1"
@@ -61,6 +61,19 @@ def test_every_reader_goes_through_the_mode_check(tmp_path, monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-launcher")
     assert server_api_key(no_flags) == "from-launcher"
     assert server_api_key(argparse.Namespace(api_key="flag", api_key_file=str(key_file))) == "flag"
+
+
+def test_serve_refuses_a_readable_key_file_before_loading_the_model(tmp_path, capsys):
+    from mcore_rl.rollout.server import main
+
+    key_file = write_api_key(tmp_path / "key")
+    key_file.chmod(0o644)
+    with pytest.raises(SystemExit) as exc:
+        main(["--model-path", str(tmp_path / "no_model_here"), "--api-key-file", str(key_file)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    want = f"mcore-rl-serve: error: api key file {key_file} has mode 644; it must be 600 (chmod 600 {key_file})"
+    assert err == [want]
 
 
 def _get(url: str, key: str | None = None) -> int:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from aiohttp import web
 
+from mcore_rl.api_key import ApiKeyError
 from mcore_rl.rollout.local.engine import LocalEngine
 from mcore_rl.rollout.server import auth, weight_update
 from mcore_rl.rollout.server.app import build_app
@@ -42,6 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:  # before the model loads: a key file others can read is refused with one line, exit 2
+        key = auth.server_api_key(args)
+    except ApiKeyError as exc:
+        print(f"mcore-rl-serve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     engine = LocalEngine(
         args.model_path, device=args.device, dtype=args.dtype, num_threads=args.num_threads,
         max_batch_size=args.max_batch_size, seed=args.seed, weight_version=args.weight_version,
@@ -53,7 +60,6 @@ def main(argv: list[str] | None = None) -> None:
         "enable_deterministic_inference": args.enable_deterministic_inference,
     }  # fmt: skip
     limits = Limits(args.max_body_bytes, args.max_samples_per_request, args.max_queued_samples)
-    key = auth.server_api_key(args)
     log.info("mcore-rl-serve: http://%s:%d  model=%s  auth=%s", args.host, args.port, args.model_path,
              "on" if key else "off")  # fmt: skip
     web.run_app(
