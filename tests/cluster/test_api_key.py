@@ -72,8 +72,8 @@ def test_serve_refuses_a_readable_key_file_before_loading_the_model(tmp_path, ca
         main(["--model-path", str(tmp_path / "no_model_here"), "--api-key-file", str(key_file)])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    want = f"mcore-rl-serve: error: api key file {key_file} has mode 644; it must be 600 (chmod 600 {key_file})"
-    assert err == [want]
+    want = f"mcore-rl-serve: error: api key file {key_file} has mode 644; it must be 600"
+    assert err == [f"{want} (chmod 600 {key_file})"]
 
 
 def _get(url: str, key: str | None = None) -> int:
