@@ -138,11 +138,14 @@ class Trajectory:
 class Environment:
     """Base class. Subclasses set `config_cls`, implement `records` and `respond`, and may list `tools`."""
 
-    name: ClassVar[str] = ""
     config_cls: ClassVar[type[EnvConfig]] = EnvConfig
 
     def __init__(self, config: EnvConfig) -> None:
         self.config = config
+
+    @property
+    def name(self) -> str:
+        return self.config.name
 
     @property
     def tools(self) -> list[Tool]:
