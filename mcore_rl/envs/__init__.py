@@ -17,4 +17,13 @@ from mcore_rl.envs.base import (
     build_environment,
 )
 
-__all__ = ["ENVS", "EnvConfig", "Environment", "Episode", "Feedback", "Tool", "Trajectory", "build_environment"]
+__all__ = [
+    "ENVS",
+    "EnvConfig",
+    "Environment",
+    "Episode",
+    "Feedback",
+    "Tool",
+    "Trajectory",
+    "build_environment",
+]

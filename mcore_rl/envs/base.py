@@ -35,7 +35,9 @@ class EnvConfig:
     max_new_tokens: int = 128  # per model turn
     max_tool_calls_per_turn: int = 4  # calls beyond this in one reply get an error message, not a run
     tool_format: str = "qwen"  # how replies spell tool calls: qwen | smollm2 | llama (tool_calls.py)
-    truncated_turn: str = "end"  # a turn cut at max_new_tokens: end the episode | close it (end-of-turn token,
+    truncated_turn: str = (
+        "end"  # a turn cut at max_new_tokens: end the episode | close it (end-of-turn token,
+    )
     #                              mask 0) and let the environment judge the text so far
     tool_timeout_s: float = 5.0  # hard per-call deadline (the worker is killed and replaced)
     tool_workers: int = 2
@@ -51,8 +53,16 @@ class EnvConfig:
             ("max_total_tokens", self.max_total_tokens >= 2, "must be >= 2"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
             ("max_tool_calls_per_turn", self.max_tool_calls_per_turn >= 0, "must be >= 0"),
-            ("tool_format", self.tool_format in TOOL_FORMATS, f"must be one of {', '.join(TOOL_FORMATS.names())}"),
-            ("truncated_turn", self.truncated_turn in TRUNCATED_TURN, f"must be one of {', '.join(TRUNCATED_TURN)}"),
+            (
+                "tool_format",
+                self.tool_format in TOOL_FORMATS,
+                f"must be one of {', '.join(TOOL_FORMATS.names())}",
+            ),
+            (
+                "truncated_turn",
+                self.truncated_turn in TRUNCATED_TURN,
+                f"must be one of {', '.join(TRUNCATED_TURN)}",
+            ),
             ("tool_timeout_s", self.tool_timeout_s > 0, "must be > 0"),
             ("tool_workers", self.tool_workers >= 1, "must be >= 1"),
             ("tool_memory_limit_mb", self.tool_memory_limit_mb >= 0, "must be >= 0 (0 = no limit)"),
@@ -74,8 +84,10 @@ class Tool:
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI-style entry chat templates render into the system prompt (`tools=[...]`)."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclass

@@ -17,8 +17,9 @@ from mcore_rl.envs.base import Trajectory
 TRUNCATIONS = ("length", "max_total_tokens")
 
 
-def trajectory_tensors(trajs: Sequence[Trajectory], group_ids: Sequence[int], pad_id: int = 0
-                       ) -> dict[str, torch.Tensor]:
+def trajectory_tensors(
+    trajs: Sequence[Trajectory], group_ids: Sequence[int], pad_id: int = 0
+) -> dict[str, torch.Tensor]:
     """Right-padded [N, L] tokens / loss_mask / rollout_logp / versions plus per-row rewards and counts."""
     if len(trajs) != len(group_ids):
         raise ValueError(f"{len(trajs)} trajectories but {len(group_ids)} group_ids")
@@ -34,7 +35,10 @@ def trajectory_tensors(trajs: Sequence[Trajectory], group_ids: Sequence[int], pa
         logp[i, :k] = torch.tensor(t.logprobs, dtype=torch.float32)
         versions[i, :k] = torch.tensor(t.versions, dtype=torch.long)
     return {
-        "tokens": tokens, "loss_mask": mask, "rollout_logp": logp * mask, "versions": versions,
+        "tokens": tokens,
+        "loss_mask": mask,
+        "rollout_logp": logp * mask,
+        "versions": versions,
         "group_ids": torch.tensor(list(group_ids), dtype=torch.long),
         "rewards": torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         "correct": torch.tensor([float(t.correct) for t in trajs]),
@@ -55,8 +59,8 @@ def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "env/") -> dict[s
         "turns": sum(t.turns for t in trajs) / n,
         "tool_calls": calls / n,
         "valid_tool_call_rate": (sum(t.valid_tool_calls for t in trajs) / calls) if calls else 0.0,
-        "policy_token_frac": sum(t.policy_tokens for t in trajs) / max(1, sum(len(t.token_ids) - t.prompt_len
-                                                                              for t in trajs)),
+        "policy_token_frac": sum(t.policy_tokens for t in trajs)
+        / max(1, sum(len(t.token_ids) - t.prompt_len for t in trajs)),
     }
     for reason, k in Counter(t.termination for t in trajs).items():
         out[f"end_{reason}"] = k / n

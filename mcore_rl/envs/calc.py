@@ -16,8 +16,15 @@ MAX_EXPR_CHARS = 200
 MAX_DIGITS = 60  # operands and results beyond this are refused
 MAX_EXPONENT = 64
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -50,7 +57,9 @@ def _eval(node: ast.AST) -> Fraction:
             raise CalcError("division by zero")
         result = _BINOPS[type(node.op)](left, right)
         return Fraction(result)
-    raise CalcError(f"unsupported syntax: {type(node).__name__} (use numbers, + - * / // % ** and parentheses)")
+    raise CalcError(
+        f"unsupported syntax: {type(node).__name__} (use numbers, + - * / // % ** and parentheses)"
+    )
 
 
 def format_number(x: Fraction) -> str:

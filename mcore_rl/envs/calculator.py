@@ -17,20 +17,35 @@ from mcore_rl.rewards.extract import extract_answer
 
 # (template, answer as a function of the operands); operands a, b, c, d are drawn per problem.
 _PROBLEMS = [
-    ("A warehouse holds {a} boxes. It receives {b} shipments of {c} boxes each, then sends out {d} boxes. "
-     "How many boxes are in the warehouse now?", lambda a, b, c, d: a + b * c - d),
-    ("A farm has {b} fields that each yield {c} kg of grain, plus {a} kg in its silo. It sells {d} kg. "
-     "How many kg of grain does it have left?", lambda a, b, c, d: b * c + a - d),
-    ("A factory made {a} parts last month and {b} batches of {c} parts this month; {d} parts failed inspection. "
-     "How many good parts did it make in the two months?", lambda a, b, c, d: a + b * c - d),
-    ("A city had {a} residents. Over {b} years its population grew by {c} people a year, and {d} people moved "
-     "away in total. How many residents does it have now?", lambda a, b, c, d: a + b * c - d),
+    (
+        "A warehouse holds {a} boxes. It receives {b} shipments of {c} boxes each, then sends out {d} boxes. "
+        "How many boxes are in the warehouse now?",
+        lambda a, b, c, d: a + b * c - d,
+    ),
+    (
+        "A farm has {b} fields that each yield {c} kg of grain, plus {a} kg in its silo. It sells {d} kg. "
+        "How many kg of grain does it have left?",
+        lambda a, b, c, d: b * c + a - d,
+    ),
+    (
+        "A factory made {a} parts last month and {b} batches of {c} parts this month; {d} parts failed inspection. "
+        "How many good parts did it make in the two months?",
+        lambda a, b, c, d: a + b * c - d,
+    ),
+    (
+        "A city had {a} residents. Over {b} years its population grew by {c} people a year, and {d} people moved "
+        "away in total. How many residents does it have now?",
+        lambda a, b, c, d: a + b * c - d,
+    ),
 ]
 _CALC = Tool(
     name="calc",
     description="Evaluate an arithmetic expression exactly (numbers, + - * / // % ** and parentheses).",
-    parameters={"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 1234*56"}},
-                "required": ["expression"]},
+    parameters={
+        "type": "object",
+        "properties": {"expression": {"type": "string", "description": "e.g. 1234*56"}},
+        "required": ["expression"],
+    },
     function="mcore_rl.envs.calc:evaluate",
 )
 _EXAMPLE_CALL = {"name": "calc", "arguments": {"expression": "4817*23"}}
@@ -40,13 +55,17 @@ _EXAMPLE_CALL = {"name": "calc", "arguments": {"expression": "4817*23"}}
 class CalculatorConfig(EnvConfig):
     min_operand: int = 1000  # a, c and d are drawn from [min_operand, max_operand]; b from [3, 99]
     max_operand: int = 99999
-    system_prompt: str = ("Solve the problem. You may call the calc tool to do arithmetic: write {call} and wait "
-                          "for its result. When you know the answer, reply with it as \\boxed{{N}}.")
+    system_prompt: str = (
+        "Solve the problem. You may call the calc tool to do arithmetic: write {call} and wait "
+        "for its result. When you know the answer, reply with it as \\boxed{{N}}."
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 1 <= self.min_operand <= self.max_operand:
-            raise ValueError(f"env.min_operand={self.min_operand} must be in [1, max_operand={self.max_operand}]")
+            raise ValueError(
+                f"env.min_operand={self.min_operand} must be in [1, max_operand={self.max_operand}]"
+            )
         if "{call}" not in self.system_prompt:
             raise ValueError("env.system_prompt must contain '{call}' (where the tool-call example goes)")
 
@@ -105,8 +124,14 @@ class CalculatorEnv(Environment):
             exclude.add(question)
             system = self.config.system_prompt.format(call=example_call(self.config.tool_format))
             prompt = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-            out.append(PromptRecord(f"calc-{split}-s{self.config.seed}-{len(out)}", prompt, str(answer),
-                                    {"question": question, "split": split}))
+            out.append(
+                PromptRecord(
+                    f"calc-{split}-s{self.config.seed}-{len(out)}",
+                    prompt,
+                    str(answer),
+                    {"question": question, "split": split},
+                )
+            )
         return out
 
     def start(self, record: PromptRecord) -> list[Message]:
@@ -116,4 +141,6 @@ class CalculatorEnv(Environment):
         got = final_number(reply)
         ok = got is not None and str(got) == episode.record.answer
         episode.state["answer_given"] = got
-        return Feedback(1.0 if ok else 0.0, True, correct=ok, reason="answered" if got is not None else "no_answer")
+        return Feedback(
+            1.0 if ok else 0.0, True, correct=ok, reason="answered" if got is not None else "no_answer"
+        )

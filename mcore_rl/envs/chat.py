@@ -23,8 +23,9 @@ _REF_REPLY = "R0"  # a reply no template rewrites (no whitespace at its ends, no
 class TurnRenderer:
     """Render an episode's first prompt and, after each model turn, the ids to append before the next one."""
 
-    def __init__(self, tokenizer: Any, tools: Sequence[dict[str, Any]] | None = None,
-                 chat_template: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, tools: Sequence[dict[str, Any]] | None = None, chat_template: str | None = None
+    ) -> None:
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; multi-turn environments need one")
         self.tok = tokenizer
@@ -35,7 +36,7 @@ class TurnRenderer:
         at = text.rfind(_REF_REPLY)
         if at < 0:
             raise ValueError("the chat template does not render assistant content verbatim")
-        after = text[at + len(_REF_REPLY):]
+        after = text[at + len(_REF_REPLY) :]
         eot = self._end_of_turn(after)
         self.eot_text = eot
         self.eot_id = int(tokenizer.convert_tokens_to_ids(eot))
@@ -51,11 +52,15 @@ class TurnRenderer:
 
     def _end_of_turn(self, after_reply: str) -> str:
         """The special token the template puts right after an assistant message (the one the model stops on)."""
-        specials = sorted(set(self.tok.all_special_tokens) | set(self.tok.get_added_vocab()), key=len, reverse=True)
+        specials = sorted(
+            set(self.tok.all_special_tokens) | set(self.tok.get_added_vocab()), key=len, reverse=True
+        )
         for s in specials:
             if s and after_reply.startswith(s):
                 return s
-        raise ValueError(f"the chat template ends an assistant turn with {after_reply[:20]!r}, not a special token")
+        raise ValueError(
+            f"the chat template ends an assistant turn with {after_reply[:20]!r}, not a special token"
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
@@ -69,9 +74,11 @@ class TurnRenderer:
         assistant header, exactly as the template renders them at that point."""
         full = self._render([*self._ref, *new_messages], generation_prompt=True)
         if not full.startswith(self._prefix):
-            raise ValueError("the chat template renders earlier turns differently once messages follow them; "
-                             "append-only rendering is impossible with it")
-        return self.encode(full[len(self._prefix):])
+            raise ValueError(
+                "the chat template renders earlier turns differently once messages follow them; "
+                "append-only rendering is impossible with it"
+            )
+        return self.encode(full[len(self._prefix) :])
 
     def render_text(self, messages: Sequence[Message]) -> str:
         """The whole conversation as the template renders it (for checks and logs; never used for ids)."""

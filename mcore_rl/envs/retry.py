@@ -65,11 +65,13 @@ class RetryEnv(Environment):
             size = cfg.size if split == "train" else cfg.heldout_size + cfg.size  # room for removed repeats
             seed = cfg.seed if split == "train" else cfg.seed + HELDOUT_SEED_OFFSET
             try:
-                self._datasets[split] = reasoning_gym.create_dataset(cfg.task, size=size, seed=seed,
-                                                                     **cfg.task_options)
+                self._datasets[split] = reasoning_gym.create_dataset(
+                    cfg.task, size=size, seed=seed, **cfg.task_options
+                )
             except Exception as e:
-                raise ValueError(f"env.task={cfg.task!r}: reasoning_gym.create_dataset failed: "
-                                 f"{type(e).__name__}: {e}") from e
+                raise ValueError(
+                    f"env.task={cfg.task!r}: reasoning_gym.create_dataset failed: {type(e).__name__}: {e}"
+                ) from e
         return self._datasets[split]
 
     def records(self, split: str) -> list[PromptRecord]:
@@ -88,8 +90,14 @@ class RetryEnv(Environment):
                     continue
                 seen.add(entry["question"])
             text = self.config.prompt_template.replace("{question}", entry["question"])
-            out.append(PromptRecord(f"retry-{self.config.task}-{split}-{i}", [{"role": "user", "content": text}],
-                                    str(entry["answer"]), {"split": split, "index": i}))
+            out.append(
+                PromptRecord(
+                    f"retry-{self.config.task}-{split}-{i}",
+                    [{"role": "user", "content": text}],
+                    str(entry["answer"]),
+                    {"split": split, "index": i},
+                )
+            )
         return out
 
     def respond(self, episode: Episode, reply: str) -> Feedback:

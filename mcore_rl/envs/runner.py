@@ -67,27 +67,49 @@ class _Live:
     def trajectory(self, tool_reasons: dict[str, int]) -> Trajectory:
         ep = self.episode
         return Trajectory(
-            prompt_id=ep.record.prompt_id, sample_index=ep.sample_index, token_ids=self.ids, mask=self.mask,
-            logprobs=self.logprobs, versions=self.versions, prompt_len=self.prompt_len, turn_spans=self.turn_spans,
-            turn_rewards=self.turn_rewards, reward=self.reward, correct=self.correct, tool_calls=self.tool_calls,
-            valid_tool_calls=self.valid_tool_calls, termination=self.termination or "abort", messages=ep.messages,
-            metadata={"rid": self.rid, "attempts": ep.attempts, "tool_results": dict(tool_reasons), **ep.state},
+            prompt_id=ep.record.prompt_id,
+            sample_index=ep.sample_index,
+            token_ids=self.ids,
+            mask=self.mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            prompt_len=self.prompt_len,
+            turn_spans=self.turn_spans,
+            turn_rewards=self.turn_rewards,
+            reward=self.reward,
+            correct=self.correct,
+            tool_calls=self.tool_calls,
+            valid_tool_calls=self.valid_tool_calls,
+            termination=self.termination or "abort",
+            messages=ep.messages,
+            metadata={
+                "rid": self.rid,
+                "attempts": ep.attempts,
+                "tool_results": dict(tool_reasons),
+                **ep.state,
+            },
         )
 
 
 class EpisodeRunner:
     """Drives `env` against `engine`. Reused across rounds: the tool pool stays warm."""
 
-    def __init__(self, env: Environment, engine: RolloutEngine, renderer: TurnRenderer,
-                 tools: ToolRunner | None = None) -> None:
+    def __init__(
+        self, env: Environment, engine: RolloutEngine, renderer: TurnRenderer, tools: ToolRunner | None = None
+    ) -> None:
         if env.tools and tools is None:
-            tools = ToolRunner(env.tools, num_workers=env.config.tool_workers, timeout_s=env.config.tool_timeout_s,
-                               memory_limit_mb=env.config.tool_memory_limit_mb)
+            tools = ToolRunner(
+                env.tools,
+                num_workers=env.config.tool_workers,
+                timeout_s=env.config.tool_timeout_s,
+                memory_limit_mb=env.config.tool_memory_limit_mb,
+            )
         self.env, self.engine, self.renderer, self.tools = env, engine, renderer, tools
         self.cfg = env.config
 
-    def run(self, records: Sequence[PromptRecord], sampling: SamplingParams, samples_per_prompt: int = 1
-            ) -> list[Trajectory]:
+    def run(
+        self, records: Sequence[PromptRecord], sampling: SamplingParams, samples_per_prompt: int = 1
+    ) -> list[Trajectory]:
         """One trajectory per (record, sample), record-major. `sampling` sets temperature / top-p / top-k / seed;
         max_new_tokens per turn is the env's, shrunk to the episode's remaining token budget."""
         lives = []
@@ -96,8 +118,10 @@ class EpisodeRunner:
                 messages = self.env.start(rec)
                 ids = self.renderer.prompt_ids(messages)
                 if len(ids) + 1 >= self.cfg.max_total_tokens:
-                    raise ValueError(f"env.max_total_tokens={self.cfg.max_total_tokens} leaves no room after the "
-                                     f"{len(ids)}-token prompt of {rec.prompt_id!r}")
+                    raise ValueError(
+                        f"env.max_total_tokens={self.cfg.max_total_tokens} leaves no room after the "
+                        f"{len(ids)}-token prompt of {rec.prompt_id!r}"
+                    )
                 rid = f"{rec.prompt_id}#{j}-{next(_rid_counter)}"
                 lives.append(_Live(Episode(rec, j, messages), rid, ids, len(ids)))
         tool_reasons: list[dict[str, int]] = [{} for _ in lives]
@@ -117,25 +141,43 @@ class EpisodeRunner:
     def _submit(self, live: _Live, sampling: SamplingParams) -> Future:
         budget = self.cfg.max_total_tokens - len(live.ids)
         ep = live.episode
-        seed = None if sampling.seed is None else (
-            sampling.seed + zlib.crc32(ep.record.prompt_id.encode()) + 7919 * ep.sample_index + 104729 * ep.turn)
-        sp = SamplingParams(max_new_tokens=min(self.cfg.max_new_tokens, budget), temperature=sampling.temperature,
-                            top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
-                            stop_token_ids=sorted({*sampling.stop_token_ids, self.renderer.eot_id}))
+        seed = (
+            None
+            if sampling.seed is None
+            else (
+                sampling.seed
+                + zlib.crc32(ep.record.prompt_id.encode())
+                + 7919 * ep.sample_index
+                + 104729 * ep.turn
+            )
+        )
+        sp = SamplingParams(
+            max_new_tokens=min(self.cfg.max_new_tokens, budget),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=seed,
+            stop_token_ids=sorted({*sampling.stop_token_ids, self.renderer.eot_id}),
+        )
         live.episode.turn += 1
         req = GenerationRequest(list(live.ids), sp, rid=f"{live.rid}/t{live.episode.turn}")
         return self.engine.submit([req])[0]
 
-    def _advance(self, finished: list[tuple[int, Sample]], lives: list[_Live],
-                 tool_reasons: list[dict[str, int]]) -> None:
+    def _advance(
+        self, finished: list[tuple[int, Sample]], lives: list[_Live], tool_reasons: list[dict[str, int]]
+    ) -> None:
         """Append each finished turn, run all their tool calls in one pool batch, then ask the environment."""
         for i, sample in finished:
             self._close_turn(lives[i], sample)
         queued = [(i, c) for i, _ in finished for c in lives[i].calls]
         limit = self.cfg.max_tool_calls_per_turn
         runnable = [(i, c) for k, (i, c) in enumerate(queued) if _rank(queued, k) < limit]
-        ran = dict(zip(((i, id(c)) for i, c in runnable), self.tools.run([c for _, c in runnable])
-                       if runnable and self.tools is not None else []))
+        ran = dict(
+            zip(
+                ((i, id(c)) for i, c in runnable),
+                self.tools.run([c for _, c in runnable]) if runnable and self.tools is not None else [],
+            )
+        )
         for i, _ in finished:
             live = lives[i]
             if live.termination is not None:
@@ -174,8 +216,11 @@ class EpisodeRunner:
         for r in results:
             live.valid_tool_calls += int(r.ok)
             reasons[r.reason] = reasons.get(r.reason, 0) + 1
-        live.feedback = Feedback(0.0, False, [{"role": "tool", "name": r.call.name or "invalid", "content": r.text}
-                                              for r in results])
+        live.feedback = Feedback(
+            0.0,
+            False,
+            [{"role": "tool", "name": r.call.name or "invalid", "content": r.text} for r in results],
+        )
 
     def _after_reply(self, live: _Live) -> None:
         live.episode.attempts += 1

@@ -103,18 +103,35 @@ class ToolStats:
 class ToolRunner:
     """Runs batches of parsed calls against an environment's tools in one pool (calls of many episodes at once)."""
 
-    def __init__(self, tools: Sequence[Tool], *, num_workers: int = 2, timeout_s: float = 5.0,
-                 memory_limit_mb: int = 512, mp_context: str = "forkserver", fault: str | None = None) -> None:
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        *,
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        memory_limit_mb: int = 512,
+        mp_context: str = "forkserver",
+        fault: str | None = None,
+    ) -> None:
         self.tools = {t.name: t for t in tools}
-        opts = ToolWorkerOptions({t.name: t.function for t in tools}, cpu_limit_s=int(timeout_s) + 5,
-                                 memory_limit_mb=memory_limit_mb, fault=fault)
+        opts = ToolWorkerOptions(
+            {t.name: t.function for t in tools},
+            cpu_limit_s=int(timeout_s) + 5,
+            memory_limit_mb=memory_limit_mb,
+            fault=fault,
+        )
         self.timeout_s = timeout_s
         if mp_context == "forkserver":
             # Read only when the process's forkserver first starts: workers then fork with this module imported
             # (the reward pool's warm modules kept), instead of importing it once per (re)started worker.
             mp.get_context("forkserver").set_forkserver_preload([*_preload_modules(), __name__])
-        self.pool = VerifierPool(num_workers=num_workers, timeout_s=timeout_s, mp_context=mp_context,
-                                 options=opts, target=tool_worker_main)
+        self.pool = VerifierPool(
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            mp_context=mp_context,
+            options=opts,
+            target=tool_worker_main,
+        )
         self.stats = ToolStats()
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
@@ -124,12 +141,18 @@ class ToolRunner:
         for i, call in enumerate(calls):
             tool = self.tools.get(call.name)
             if call.valid and tool is None:
-                results[i] = ToolResult(call, f"Error: unknown tool {call.name!r}; available: "
-                                        f"{', '.join(sorted(self.tools))}", False, "unknown_tool")
+                results[i] = ToolResult(
+                    call,
+                    f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(self.tools))}",
+                    False,
+                    "unknown_tool",
+                )
                 continue
             checked = check_arguments(call, tool.parameters) if tool is not None else call
             if not checked.valid:
-                results[i] = ToolResult(checked, f"Error: malformed tool call: {checked.error}", False, "malformed")
+                results[i] = ToolResult(
+                    checked, f"Error: malformed tool call: {checked.error}", False, "malformed"
+                )
                 continue
             todo.append(i)
             cases.append((call.name, json.dumps(call.arguments)))

@@ -35,9 +35,19 @@ def smol_dir(smollm2_dir, tmp_path_factory) -> Path:
 
     tok = _tokenizer(smollm2_dir)
     eot = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=len(tok), max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=eot, bos_token_id=1, pad_token_id=eot)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=len(tok),
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=eot,
+        bos_token_id=1,
+        pad_token_id=eot,
+    )
     folder = save_random_hf(tmp_path_factory.mktemp("env_smol"), cfg, seed=0)
     tok.save_pretrained(folder)
     return folder
@@ -49,9 +59,18 @@ def qwen_dir(smollm2_dir, tmp_path_factory) -> Path:
 
     tok = _tokenizer(smollm2_dir, QWEN_TOOL_TOKENS, (HERE / "qwen_template.jinja").read_text())
     eot = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=len(tok), max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=eot, pad_token_id=eot)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=len(tok),
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=eot,
+        pad_token_id=eot,
+    )
     folder = save_random_hf(tmp_path_factory.mktemp("env_qwen"), cfg, seed=1)
     tok.save_pretrained(folder)
     return folder

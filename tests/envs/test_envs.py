@@ -40,15 +40,21 @@ def test_calculator_problems_need_big_multiplications_and_splits_are_disjoint():
     # the answer is what the calc tool computes from the problem's own numbers
     q = train[0].metadata["question"]
     nums = [int(x) for x in re.findall(r"\d+", q)]
-    assert train[0].answer in {evaluate(f"{x}+{y}*{z}-{w}") for x in nums for y in nums for z in nums for w in nums}
+    assert train[0].answer in {
+        evaluate(f"{x}+{y}*{z}-{w}") for x in nums for y in nums for z in nums for w in nums
+    }
 
 
 def test_calculator_judges_the_final_number():
     env = build_environment({"name": "calculator"})
     rec = env.records("train")[0]
     ans = int(rec.answer)
-    for reply, reward in [(f"So the total is \\boxed{{{ans}}}.", 1.0), (f"The answer is {ans:,}.", 1.0),
-                          (f"\\boxed{{{ans + 1}}}", 0.0), ("I do not know.", 0.0)]:
+    for reply, reward in [
+        (f"So the total is \\boxed{{{ans}}}.", 1.0),
+        (f"The answer is {ans:,}.", 1.0),
+        (f"\\boxed{{{ans + 1}}}", 0.0),
+        ("I do not know.", 0.0),
+    ]:
         fb = env.respond(episode(rec), reply)
         assert (fb.reward, fb.done, fb.correct) == (reward, True, reward == 1.0)
     assert env.respond(episode(rec), "I do not know.").reason == "no_answer"
@@ -69,7 +75,9 @@ def test_final_number():
 
 
 def test_retry_discounts_each_extra_attempt_and_never_reveals_the_answer():
-    env = build_environment({"name": "retry", "size": 8, "heldout_size": 4, "discount": 0.5, "max_attempts": 3})
+    env = build_environment(
+        {"name": "retry", "size": 8, "heldout_size": 4, "discount": 0.5, "max_attempts": 3}
+    )
     rec = env.records("train")[0]
     gold = rec.answer
     right = f"<answer>{gold}</answer>"
@@ -86,11 +94,20 @@ def test_retry_discounts_each_extra_attempt_and_never_reveals_the_answer():
 
 
 def test_retry_heldout_questions_never_occur_in_training():
-    env = build_environment({"name": "retry", "size": 300, "heldout_size": 200, "task": "basic_arithmetic",
-                             "task_options": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}})
+    env = build_environment(
+        {
+            "name": "retry",
+            "size": 300,
+            "heldout_size": 200,
+            "task": "basic_arithmetic",
+            "task_options": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        }
+    )
     train = {env._dataset("train")[r.metadata["index"]]["question"] for r in env.records("train")}
     held = env.records("heldout")
-    assert len(held) > 0 and not train & {env._dataset("heldout")[r.metadata["index"]]["question"] for r in held}
+    assert len(held) > 0 and not train & {
+        env._dataset("heldout")[r.metadata["index"]]["question"] for r in held
+    }
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)
@@ -101,14 +118,20 @@ def test_shipped_yamls_build(path):
     assert len(env.records("heldout")) == cfg["heldout_size"]
 
 
-@pytest.mark.parametrize("cfg, message", [
-    ({"name": "calculator", "max_turn": 3}, "unknown key(s) ['max_turn']"),
-    ({"name": "calculator", "max_turns": 0}, "env.max_turns=0 must be >= 1"),
-    ({"name": "calculator", "tool_format": "xml"}, "env.tool_format='xml' must be one of"),
-    ({"name": "retry", "discount": 0.0}, "env.discount=0.0 must be in (0, 1]"),
-    ({"name": "retry", "task": "no_such_task"}, "env.task='no_such_task'"),
-    ({"name": "calculator", "truncated_turn": "keep"}, "env.truncated_turn='keep' must be one of end, close"),
-])
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        ({"name": "calculator", "max_turn": 3}, "unknown key(s) ['max_turn']"),
+        ({"name": "calculator", "max_turns": 0}, "env.max_turns=0 must be >= 1"),
+        ({"name": "calculator", "tool_format": "xml"}, "env.tool_format='xml' must be one of"),
+        ({"name": "retry", "discount": 0.0}, "env.discount=0.0 must be in (0, 1]"),
+        ({"name": "retry", "task": "no_such_task"}, "env.task='no_such_task'"),
+        (
+            {"name": "calculator", "truncated_turn": "keep"},
+            "env.truncated_turn='keep' must be one of end, close",
+        ),
+    ],
+)
 def test_bad_config_is_one_line_naming_the_key(cfg, message):
     with pytest.raises(ValueError) as e:
         build_environment(cfg).records("train")
@@ -130,17 +153,32 @@ def test_every_env_key_is_read_by_code():
 
 def _traj(mask, reward, tokens=None, **kw):
     n = len(mask)
-    base = dict(prompt_id="p", sample_index=0, token_ids=tokens or list(range(10, 10 + n)), mask=mask,
-                logprobs=[-0.5 * m for m in mask], versions=[3 if m else -1 for m in mask], prompt_len=2,
-                turn_spans=[(2, 4), (6, 7)], turn_rewards=[0.0, reward], reward=reward, correct=reward > 0,
-                tool_calls=1, valid_tool_calls=1, termination="answered", messages=[])
+    base = dict(
+        prompt_id="p",
+        sample_index=0,
+        token_ids=tokens or list(range(10, 10 + n)),
+        mask=mask,
+        logprobs=[-0.5 * m for m in mask],
+        versions=[3 if m else -1 for m in mask],
+        prompt_len=2,
+        turn_spans=[(2, 4), (6, 7)],
+        turn_rewards=[0.0, reward],
+        reward=reward,
+        correct=reward > 0,
+        tool_calls=1,
+        valid_tool_calls=1,
+        termination="answered",
+        messages=[],
+    )
     base.update(kw)
     return Trajectory(**base)
 
 
 def test_trajectory_tensors_keep_the_holes_and_metrics_count_them():
     a = _traj([0, 0, 1, 1, 0, 0, 1], 1.0)
-    b = _traj([0, 0, 1, 0, 0], 0.0, turn_spans=[(2, 3)], tool_calls=2, valid_tool_calls=0, termination="max_turns")
+    b = _traj(
+        [0, 0, 1, 0, 0], 0.0, turn_spans=[(2, 3)], tool_calls=2, valid_tool_calls=0, termination="max_turns"
+    )
     t = trajectory_tensors([a, b], [0, 0], pad_id=99)
     assert t["tokens"].shape == (2, 7) and t["tokens"][1, 5:].tolist() == [99, 99]
     assert t["loss_mask"].tolist() == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 0, 0, 0, 0]]
@@ -149,6 +187,10 @@ def test_trajectory_tensors_keep_the_holes_and_metrics_count_them():
     assert t["response_len"].tolist() == [3.0, 1.0] and t["rewards"].tolist() == [1.0, 0.0]
     assert t["group_ids"].dtype == torch.long
     m = episode_metrics([a, b])
-    assert m["env/success"] == 0.5 and m["env/turns"] == 1.5 and m["env/valid_tool_call_rate"] == pytest.approx(1 / 3)
+    assert (
+        m["env/success"] == 0.5
+        and m["env/turns"] == 1.5
+        and m["env/valid_tool_call_rate"] == pytest.approx(1 / 3)
+    )
     assert m["env/end_answered"] == 0.5 and m["env/end_max_turns"] == 0.5
     assert m["env/policy_token_frac"] == pytest.approx(4 / 8)

@@ -43,13 +43,25 @@ def with_holes(ro: Rollout, seed: int, fill: float) -> tuple[Rollout, torch.Tens
     out = {}
     for f in ("mask", *FIELDS):
         src = getattr(ro, "logp" if f == "logp" else f)
-        dst = fill + 0.5 * torch.rand(n, width, generator=g, dtype=src.dtype) if f != "mask" else torch.zeros(n, width,
-                                                                                                          dtype=src.dtype)
+        dst = (
+            fill + 0.5 * torch.rand(n, width, generator=g, dtype=src.dtype)
+            if f != "mask"
+            else torch.zeros(n, width, dtype=src.dtype)
+        )
         keep = where >= 0
         dst[keep] = src.gather(1, where.clamp(min=0))[keep]
         out[f] = dst
-    holed = Rollout(ro.rewards, ro.group_ids, out["mask"], out["logp"], out["rollout_logp"], out["old_logp"],
-                    out["prox_logp"], out["ref_logp"], out["entropy"])
+    holed = Rollout(
+        ro.rewards,
+        ro.group_ids,
+        out["mask"],
+        out["logp"],
+        out["rollout_logp"],
+        out["old_logp"],
+        out["prox_logp"],
+        out["ref_logp"],
+        out["entropy"],
+    )
     return holed, where
 
 
@@ -85,7 +97,9 @@ def test_holes_change_no_loss_and_no_gradient(name, mode):
     back = torch.zeros_like(a.grad_logp)
     back_ent = torch.zeros_like(a.grad_entropy)
     back.scatter_add_(1, where.clamp(min=0), torch.where(keep, b.grad_logp, torch.zeros_like(b.grad_logp)))
-    back_ent.scatter_add_(1, where.clamp(min=0), torch.where(keep, b.grad_entropy, torch.zeros_like(b.grad_entropy)))
+    back_ent.scatter_add_(
+        1, where.clamp(min=0), torch.where(keep, b.grad_entropy, torch.zeros_like(b.grad_entropy))
+    )
     assert torch.allclose(back, a.grad_logp, rtol=1e-9, atol=1e-12)
     assert torch.allclose(back_ent, a.grad_entropy, rtol=1e-9, atol=1e-12)
     assert float(a.grad_logp.abs().sum()) > 0

@@ -33,7 +33,8 @@ def _every_reply_calls(reply: str) -> list[ToolCall]:
 class ToolLoopEnv(CalculatorEnv):
     """calculator's prompts and tool; the reply is never judged because every reply calls the tool."""
 
-    def respond(self, episode, reply: str) -> Feedback:  # pragma: no cover - unreachable with the parser above
+    def respond(self, episode, reply: str) -> Feedback:
+        # unreachable: the parser above makes every reply a tool call
         raise AssertionError("a reply without a tool call")
 
 
@@ -60,8 +61,9 @@ class RecordingEngine:
     def _record(self, f) -> None:
         s = f.result()
         with self._lock:
-            self.seen[s.rid] = Seen(list(s.prompt_ids), list(s.output_ids), list(s.output_logprobs),
-                                    list(s.weight_versions))
+            self.seen[s.rid] = Seen(
+                list(s.prompt_ids), list(s.output_ids), list(s.output_logprobs), list(s.weight_versions)
+            )
 
     def turns(self, traj) -> list[Seen]:
         return [self.seen[f"{traj.metadata['rid']}/t{k}"] for k in range(1, traj.turns + 1)]
@@ -90,7 +92,7 @@ def check_ids(traj, seen: list[Seen], renderer: TurnRenderer) -> None:
     assert [i for i, m in enumerate(mask) if m] == sorted(policy)
     assert all(traj.logprobs[i] == 0.0 and traj.versions[i] == -1 for i in range(len(ids)) if i not in policy)
     last = seen[-1]
-    tail = ids[len(last.prompt_ids) + len(last.output_ids):]
+    tail = ids[len(last.prompt_ids) + len(last.output_ids) :]
     assert tail in ([], [renderer.eot_id])  # at most the end-of-turn token the runner wrote for a cut turn
     # The boundaries are the template's: decoding the ids gives the template's rendering of the conversation.
     text = renderer.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -98,25 +100,50 @@ def check_ids(traj, seen: list[Seen], renderer: TurnRenderer) -> None:
 
 
 def test_three_feedback_turns_are_token_exact(engine):
-    env = build_environment({"name": "retry", "max_attempts": 3, "max_turns": 3, "max_new_tokens": 6,
-                             "truncated_turn": "close", "size": 4, "heldout_size": 0})
+    env = build_environment(
+        {
+            "name": "retry",
+            "max_attempts": 3,
+            "max_turns": 3,
+            "max_new_tokens": 6,
+            "truncated_turn": "close",
+            "size": 4,
+            "heldout_size": 0,
+        }
+    )
     rec = RecordingEngine(engine)
     renderer = TurnRenderer(engine.tokenizer)
-    trajs = EpisodeRunner(env, rec, renderer).run(env.records("train")[:2], SamplingParams(temperature=1.0, seed=3),
-                                                  samples_per_prompt=2)
+    trajs = EpisodeRunner(env, rec, renderer).run(
+        env.records("train")[:2], SamplingParams(temperature=1.0, seed=3), samples_per_prompt=2
+    )
     assert len(trajs) == 4
     for traj in trajs:
         assert traj.turns == 3 and traj.termination == "out_of_attempts" and traj.reward == 0.0
-        assert [m["role"] for m in traj.messages[-5:]] == ["assistant", "user", "assistant", "user", "assistant"]
+        assert [m["role"] for m in traj.messages[-5:]] == [
+            "assistant",
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+        ]
         check_ids(traj, rec.turns(traj), renderer)
         assert 0 < traj.policy_tokens < len(traj.token_ids) - traj.prompt_len  # feedback tokens in between
     assert max(engine.stats.batch_sizes) > 1  # the episodes' turns were batched together
 
 
 def test_three_tool_turns_are_token_exact(engine):
-    env = build_environment({"name": "test_tool_loop", "tool_format": "test_every_reply_calls", "max_turns": 3,
-                             "max_new_tokens": 5, "truncated_turn": "close", "size": 2, "heldout_size": 0,
-                             "tool_workers": 1})
+    env = build_environment(
+        {
+            "name": "test_tool_loop",
+            "tool_format": "test_every_reply_calls",
+            "max_turns": 3,
+            "max_new_tokens": 5,
+            "truncated_turn": "close",
+            "size": 2,
+            "heldout_size": 0,
+            "tool_workers": 1,
+        }
+    )
     assert isinstance(env.config, CalculatorConfig)
     rec = RecordingEngine(engine)
     renderer = TurnRenderer(engine.tokenizer, [t.schema() for t in env.tools])
@@ -131,10 +158,36 @@ def test_three_tool_turns_are_token_exact(engine):
         tool_msgs = [m for m in traj.messages if m["role"] == "tool"]
         assert [m["content"] for m in tool_msgs] == [VALUE, VALUE]
         check_ids(traj, rec.turns(traj), renderer)
-        env_text = renderer.tok.decode([t for t, m in zip(traj.token_ids[traj.prompt_len:], traj.mask[traj.prompt_len:])
-                                        if not m], skip_special_tokens=False)
+        env_text = renderer.tok.decode(
+            [t for t, m in zip(traj.token_ids[traj.prompt_len :], traj.mask[traj.prompt_len :]) if not m],
+            skip_special_tokens=False,
+        )
         assert env_text.count(VALUE) == 2
         if engine.template == "qwen":  # Qwen wraps results in a user turn
             assert env_text.count("<tool_response>") == 2 and "<|im_start|>tool" not in env_text
         else:
             assert env_text.count("<|im_start|>tool") == 2
+
+
+def test_weight_update_between_turns_is_recorded_per_token(engine):
+    """A version bump between turns (as an async weight update lands) shows in each turn's tokens, and only there."""
+    env = build_environment(
+        {"name": "retry", "max_attempts": 3, "max_turns": 3, "max_new_tokens": 4, "truncated_turn": "close"}
+    )
+    judge = env.respond
+
+    def respond_then_update(episode, reply):
+        engine.set_weight_version(engine.weight_version + 1)
+        return judge(episode, reply)
+
+    env.respond = respond_then_update
+    start = engine.weight_version
+    (traj,) = EpisodeRunner(env, engine, TurnRenderer(engine.tokenizer)).run(
+        env.records("train")[:1], SamplingParams(temperature=1.0, seed=7)
+    )
+    assert [sorted({traj.versions[i] for i in range(a, b)}) for a, b in traj.turn_spans] == [
+        [start],
+        [start + 1],
+        [start + 2],
+    ]
+    assert {v for v, m in zip(traj.versions, traj.mask) if not m} == {-1}
