@@ -1,0 +1,82 @@
+"""Episode limits and bad calls through the real engine: per-turn call cap, token budget, cut turns, bad JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.envs import build_environment
+from mcore_rl.envs.chat import TurnRenderer
+from mcore_rl.envs.runner import EpisodeRunner
+from mcore_rl.envs.tool_calls import TOOL_FORMATS, ToolCall
+from mcore_rl.rollout.local.engine import LocalEngine
+from mcore_rl.rollout.protocol import SamplingParams
+from tests.envs import test_token_io  # noqa: F401  (registers the test_tool_loop environment)
+
+
+@TOOL_FORMATS.register("test_two_calls_one_bad")
+def _two_calls_one_bad(reply: str) -> list[ToolCall]:
+    return [ToolCall("", error="invalid JSON in tool call (test)"), ToolCall("calc", {"expression": "2+3"})]
+
+
+@pytest.fixture(scope="module")
+def engine(smol_dir):
+    eng = LocalEngine(str(smol_dir), device="cpu", seed=0)
+    yield eng
+    eng.close()
+
+
+def _run(engine, **cfg):
+    env = build_environment(
+        {"name": "test_tool_loop", "size": 2, "heldout_size": 0, "tool_workers": 1, **cfg}
+    )
+    renderer = TurnRenderer(engine.tokenizer, [t.schema() for t in env.tools])
+    runner = EpisodeRunner(env, engine, renderer)
+    try:
+        return runner.run(env.records("train"), SamplingParams(temperature=1.0, seed=11)), renderer
+    finally:
+        runner.tools.close()
+
+
+def test_bad_json_and_calls_past_the_cap_get_error_messages(engine):
+    trajs, _ = _run(
+        engine,
+        tool_format="test_two_calls_one_bad",
+        max_tool_calls_per_turn=1,
+        max_turns=2,
+        max_new_tokens=4,
+        truncated_turn="close",
+    )
+    for t in trajs:
+        assert t.turns == 2 and t.termination == "max_turns"
+        assert (
+            t.tool_calls == 4 and t.valid_tool_calls == 0
+        )  # turn 1: one malformed, one refused; turn 2 not run
+        tool_text = [m["content"] for m in t.messages if m["role"] == "tool"]
+        assert tool_text == [
+            "Error: malformed tool call: invalid JSON in tool call (test)",
+            "Error: at most 1 tool calls per turn",
+        ]
+        assert t.metadata["tool_results"] == {"malformed": 1, "too_many_calls": 1}
+
+
+def test_token_budget_ends_the_episode_within_it(engine):
+    trajs, _ = _run(
+        engine,
+        tool_format="test_every_reply_calls",
+        max_turns=10,
+        max_new_tokens=8,
+        truncated_turn="close",
+        max_total_tokens=260,
+    )
+    for t in trajs:
+        assert t.termination == "max_total_tokens" and len(t.token_ids) <= 260
+        assert 1 <= t.turns < 10
+
+
+def test_a_cut_turn_ends_the_episode_by_default(engine):
+    trajs, renderer = _run(engine, tool_format="test_every_reply_calls", max_turns=3, max_new_tokens=3)
+    cut = [t for t in trajs if t.token_ids[t.turn_spans[0][1] - 1] != renderer.eot_id]
+    assert cut  # random weights rarely end a turn within 3 tokens
+    for t in cut:
+        assert t.termination == "length" and t.turns == 1 and t.tool_calls == 0
+        assert len(t.token_ids) == t.turn_spans[0][1]  # nothing written after the cut
