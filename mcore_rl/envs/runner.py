@@ -128,13 +128,18 @@ class EpisodeRunner:
         pending: dict[Future, int] = {}
         for i, live in enumerate(lives):
             pending[self._submit(live, sampling)] = i
-        while pending:
-            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            finished = sorted((pending.pop(f), f.result()) for f in done)
-            self._advance(finished, lives, tool_reasons)
-            for i, _ in finished:
-                if lives[i].termination is None:
-                    pending[self._submit(lives[i], sampling)] = i
+        try:
+            while pending:
+                done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                finished = sorted((pending.pop(f), f.result()) for f in done)
+                self._advance(finished, lives, tool_reasons)
+                for i, _ in finished:
+                    if lives[i].termination is None:
+                        pending[self._submit(lives[i], sampling)] = i
+        except BaseException:
+            for i in pending.values():  # an environment or tool error: leave no turn decoding for nobody
+                self.engine.abort(f"{lives[i].rid}/t{lives[i].episode.turn}")
+            raise
         return [live.trajectory(tool_reasons[i]) for i, live in enumerate(lives)]
 
     # ---- one turn ----------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from mcore_rl.envs import build_environment
@@ -80,3 +83,28 @@ def test_a_cut_turn_ends_the_episode_by_default(engine):
     for t in cut:
         assert t.termination == "length" and t.turns == 1 and t.tool_calls == 0
         assert len(t.token_ids) == t.turn_spans[0][1]  # nothing written after the cut
+
+
+def test_an_abort_mid_turn_ends_episodes_with_what_was_generated(engine):
+    """engine.abort() (a pause for a weight update in abort mode) ends the episode; its tokens stay consistent."""
+    env = build_environment({"name": "retry", "size": 3, "max_new_tokens": 400, "max_total_tokens": 600})
+    out: list = []
+    worker = threading.Thread(
+        target=lambda: out.extend(
+            EpisodeRunner(env, engine, TurnRenderer(engine.tokenizer)).run(
+                env.records("train"), SamplingParams(temperature=1.0, seed=1, stop_token_ids=[])
+            )
+        )
+    )
+    worker.start()
+    deadline = time.monotonic() + 60
+    while engine.num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.abort(None)
+    worker.join(timeout=60)
+    assert len(out) == 3
+    for t in out:
+        if t.termination != "abort":  # it finished before the abort (an early end-of-turn): nothing to check
+            continue
+        assert t.turns == 1 and sum(t.mask) == t.turn_spans[0][1] - t.turn_spans[0][0] < 400
+    assert any(t.termination == "abort" for t in out)
