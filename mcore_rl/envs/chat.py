@@ -4,9 +4,9 @@ Why: re-rendering the whole conversation and re-tokenizing it can change the ids
 merges across a boundary, templates that strip whitespace or reasoning), so the trained ids would differ from the
 ids the engine sampled and their log-probs would belong to other tokens. Here the trajectory is append-only: the
 engine's output ids are kept as they are, and what comes between two model turns (tool results, feedback, the next
-assistant header) is the template's rendering of a fixed reference conversation *with* the new messages minus the
-same conversation *without* them, cut right after the assistant's end-of-turn token. That text is tokenized alone
-and appended, so it sits at exactly the boundary the template would put it.
+assistant header) is cut from the template's rendering of a fixed reference conversation followed by the new
+messages: everything after the reference reply's end-of-turn token. That text is tokenized alone and appended, so
+it sits at exactly the boundary the template would put it.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ class TurnRenderer:
         at = text.rfind(_REF_REPLY)
         if at < 0:
             raise ValueError("the chat template does not render assistant content verbatim")
-        after = text[at + len(_REF_REPLY) :]
-        eot = self._end_of_turn(after)
+        eot = self._end_of_turn(text[at + len(_REF_REPLY) :])
         self.eot_text = eot
         self.eot_id = int(tokenizer.convert_tokens_to_ids(eot))
-        self._prefix = text[: at + len(_REF_REPLY) + len(eot)]
+        self._reply_end = _REF_REPLY + eot
 
     def _render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
         kw: dict[str, Any] = {"tokenize": False, "add_generation_prompt": generation_prompt}
@@ -71,14 +70,16 @@ class TurnRenderer:
 
     def continuation_ids(self, new_messages: Sequence[Message]) -> list[int]:
         """What follows a finished assistant turn (ending in its end-of-turn token): `new_messages` and the next
-        assistant header, exactly as the template renders them at that point."""
+        assistant header, exactly as the template renders them at that point.
+
+        The cut is made in the rendering *with* the new messages, right after the reference reply's end-of-turn
+        token: templates that render the last assistant turn differently from earlier ones (Qwen3 adds an empty
+        <think> block to the last one only) change text before the cut, which is never used."""
         full = self._render([*self._ref, *new_messages], generation_prompt=True)
-        if not full.startswith(self._prefix):
-            raise ValueError(
-                "the chat template renders earlier turns differently once messages follow them; "
-                "append-only rendering is impossible with it"
-            )
-        return self.encode(full[len(self._prefix) :])
+        at = full.find(self._reply_end)
+        if at < 0:
+            raise ValueError("the chat template drops or rewrites an assistant reply once messages follow it")
+        return self.encode(full[at + len(self._reply_end) :])
 
     def render_text(self, messages: Sequence[Message]) -> str:
         """The whole conversation as the template renders it (for checks and logs; never used for ids)."""
