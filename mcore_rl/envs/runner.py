@@ -145,17 +145,7 @@ class EpisodeRunner:
     # ---- one turn ----------------------------------------------------------------------------------------
     def _submit(self, live: _Live, sampling: SamplingParams) -> Future:
         budget = self.cfg.max_total_tokens - len(live.ids)
-        ep = live.episode
-        seed = (
-            None
-            if sampling.seed is None
-            else (
-                sampling.seed
-                + zlib.crc32(ep.record.prompt_id.encode())
-                + 7919 * ep.sample_index
-                + 104729 * ep.turn
-            )
-        )
+        seed = _turn_seed(sampling.seed, live.episode)
         sp = SamplingParams(
             max_new_tokens=min(self.cfg.max_new_tokens, budget),
             temperature=sampling.temperature,
@@ -240,11 +230,22 @@ class EpisodeRunner:
         if len(live.turn_spans) >= self.cfg.max_turns:
             return live.finish("max_turns")
         messages: list[Message] = live.feedback.messages if live.feedback else []
+        if not messages:
+            raise ValueError(
+                f"env {self.env.name!r}: respond() returned done=False without messages for the model"
+            )
         cont = self.renderer.continuation_ids(messages)
         if len(live.ids) + len(cont) + 1 > self.cfg.max_total_tokens:
             return live.finish("max_total_tokens")
         live.episode.messages.extend(messages)
         live.append(cont)
+
+
+def _turn_seed(seed: int | None, ep: Episode) -> int | None:
+    """A distinct, reproducible seed per (prompt, sample, turn) of a seeded run; None stays None."""
+    if seed is None:
+        return None
+    return seed + zlib.crc32(ep.record.prompt_id.encode()) + 7919 * ep.sample_index + 104729 * ep.turn
 
 
 def _rank(queued: list[tuple[int, ToolCall]], k: int) -> int:

@@ -108,3 +108,20 @@ def test_an_abort_mid_turn_ends_episodes_with_what_was_generated(engine):
             continue
         assert t.turns == 1 and sum(t.mask) == t.turn_spans[0][1] - t.turn_spans[0][0] < 400
     assert any(t.termination == "abort" for t in out)
+
+
+def test_an_environment_error_raises_and_leaves_no_turn_decoding(engine):
+    from mcore_rl.envs import Feedback
+
+    env = build_environment(
+        {"name": "retry", "size": 4, "max_new_tokens": 2, "truncated_turn": "close", "max_total_tokens": 900}
+    )
+    env.respond = lambda episode, reply: Feedback(0.0, False)  # forgets the messages for the model
+    with pytest.raises(ValueError, match=r"env 'retry': respond\(\) returned done=False without messages"):
+        EpisodeRunner(env, engine, TurnRenderer(engine.tokenizer)).run(
+            env.records("train"), SamplingParams(temperature=1.0, seed=4, max_new_tokens=2)
+        )
+    deadline = time.monotonic() + 30
+    while engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_running == 0
