@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from mcore_rl.data.records import PromptRecord
 from mcore_rl.envs.base import ENVS, EnvConfig, Environment, Episode, Feedback, Message, Tool, check_split
+from mcore_rl.envs.calc import evaluate
 from mcore_rl.rewards.extract import extract_answer
 
 # (template, answer as a function of the operands); operands a, b, c, d are drawn per problem.
@@ -48,7 +49,6 @@ _CALC = Tool(
     },
     function="mcore_rl.envs.calc:evaluate",
 )
-_EXAMPLE_CALL = {"name": "calc", "arguments": {"expression": "4817*23"}}
 
 
 @dataclass
@@ -60,6 +60,11 @@ class CalculatorConfig(EnvConfig):
         "for its result. When you know the answer, reply with it as \\boxed{{N}}."
     )
 
+    demonstration: bool = (
+        True  # put one solved problem (a calc call, its result, the answer) before the question:
+    )
+    #   SmolLM2-135M-Instruct writes no tool call in 16 episodes without it, ~1 in 5 with it (docs/environments.md)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 1 <= self.min_operand <= self.max_operand:
@@ -70,11 +75,27 @@ class CalculatorConfig(EnvConfig):
             raise ValueError("env.system_prompt must contain '{call}' (where the tool-call example goes)")
 
 
-def example_call(tool_format: str) -> str:
+def example_call(tool_format: str, expression: str = "4817*23") -> str:
     """How a call is spelled in `tool_format` (the system prompt shows one: not every template renders tools)."""
     if tool_format == "llama":
-        return json.dumps({"name": "calc", "parameters": _EXAMPLE_CALL["arguments"]})
-    return f"<tool_call>{json.dumps(_EXAMPLE_CALL)}</tool_call>"
+        return json.dumps({"name": "calc", "parameters": {"expression": expression}})
+    return f"<tool_call>{json.dumps({'name': 'calc', 'arguments': {'expression': expression}})}</tool_call>"
+
+
+_DEMO_QUESTION = "A shop has 12 shelves of 3417 cans each and sells 5230 cans. How many cans are left?"
+_DEMO_EXPRESSION = "12*3417 - 5230"
+
+
+def demonstration(tool_format: str) -> list[Message]:
+    """One solved problem as chat turns: the question, a calc call in `tool_format`, its result, the answer. Its
+    wording matches none of the generated problems, so it never leaks a training or held-out answer."""
+    value = evaluate(_DEMO_EXPRESSION)
+    return [
+        {"role": "user", "content": _DEMO_QUESTION},
+        {"role": "assistant", "content": example_call(tool_format, _DEMO_EXPRESSION)},
+        {"role": "tool", "name": "calc", "content": value},
+        {"role": "assistant", "content": f"\\boxed{{{value}}}"},
+    ]
 
 
 def _problem(rng: random.Random, cfg: CalculatorConfig) -> tuple[str, int]:
@@ -123,7 +144,8 @@ class CalculatorEnv(Environment):
                 continue
             exclude.add(question)
             system = self.config.system_prompt.format(call=example_call(self.config.tool_format))
-            prompt = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            demo = demonstration(self.config.tool_format) if self.config.demonstration else []
+            prompt = [{"role": "system", "content": system}, *demo, {"role": "user", "content": question}]
             out.append(
                 PromptRecord(
                     f"calc-{split}-s{self.config.seed}-{len(out)}",

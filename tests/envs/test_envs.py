@@ -69,6 +69,17 @@ def test_calculator_prompt_shows_a_call_its_format_parses(fmt):
     assert call.valid and call.name == "calc" and evaluate(call.arguments["expression"]) == "110791"
 
 
+@pytest.mark.parametrize("fmt", ["qwen", "llama"])
+def test_calculator_demonstration_is_a_solved_call_in_the_configured_format(fmt):
+    prompt = build_environment({"name": "calculator", "tool_format": fmt}).records("train")[0].prompt
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    (call,) = parse_tool_calls(prompt[2]["content"], fmt)
+    assert evaluate(call.arguments["expression"]) == prompt[3]["content"] == "35774"
+    assert prompt[4]["content"] == "\\boxed{35774}" and final_number(prompt[4]["content"]) == 35774
+    plain = build_environment({"name": "calculator", "demonstration": False}).records("train")[0].prompt
+    assert [m["role"] for m in plain] == ["system", "user"] and plain[1] == prompt[-1]
+
+
 def test_final_number():
     assert final_number("x \\boxed{1,234}") == 1234 and final_number("answer: 7.0") == 7
     assert final_number("3.5") is None and final_number("none") is None

@@ -30,7 +30,14 @@ def engine(smol_dir):
 
 def _run(engine, **cfg):
     env = build_environment(
-        {"name": "test_tool_loop", "size": 2, "heldout_size": 0, "tool_workers": 1, **cfg}
+        {
+            "name": "test_tool_loop",
+            "size": 2,
+            "heldout_size": 0,
+            "tool_workers": 1,
+            "demonstration": False,
+            **cfg,
+        }
     )
     renderer = TurnRenderer(engine.tokenizer, [t.schema() for t in env.tools])
     runner = EpisodeRunner(env, engine, renderer)

@@ -155,7 +155,9 @@ def test_three_tool_turns_are_token_exact(engine):
     for traj in trajs:
         assert traj.turns == 3 and traj.termination == "max_turns"
         assert traj.tool_calls == 3 and traj.valid_tool_calls == 2  # the 3rd turn's call is never run
-        tool_msgs = [m for m in traj.messages if m["role"] == "tool"]
+        first = len(env.records("train")[0].prompt)  # the prompt holds the demonstration's tool turn
+        assert traj.messages[first - 3]["role"] == "tool"
+        tool_msgs = [m for m in traj.messages[first:] if m["role"] == "tool"]
         assert [m["content"] for m in tool_msgs] == [VALUE, VALUE]
         check_ids(traj, rec.turns(traj), renderer)
         env_text = renderer.tok.decode(
