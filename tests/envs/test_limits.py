@@ -132,3 +132,53 @@ def test_an_environment_error_raises_and_leaves_no_turn_decoding(engine):
     while engine.num_running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.num_running == 0
+
+
+def _update_when_decoding(engine, version: int, min_tokens: int) -> threading.Thread:
+    """Load the same weights under `version` once a turn is decoding and has `min_tokens` tokens (an async update
+    landing inside a turn)."""
+
+    def go() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            rows = [r for r in engine._batch.rows if r.finish is None]
+            if rows and len(rows[0].out) >= min_tokens:
+                break
+            time.sleep(0.002)
+        engine.update_weights(((n, p.detach().clone()) for n, p in engine.model.named_parameters()), version)
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_an_update_inside_a_turn_restarts_only_that_turn_in_interrupt_mode(engine, interrupt):
+    env = build_environment(
+        {"name": "retry", "max_attempts": 2, "max_new_tokens": 64, "truncated_turn": "close"}
+    )
+    v0 = engine.weight_version
+    judge, updates = env.respond, []
+
+    def respond(episode, reply):  # between turn 1 and turn 2: arm an update that lands inside turn 2
+        if not updates:
+            updates.append(_update_when_decoding(engine, v0 + 1, min_tokens=4))
+        return judge(episode, reply)
+
+    env.respond = respond
+    engine.set_interrupt_on_update(interrupt)
+    regenerated = engine.stats.regenerated
+    try:
+        (traj,) = EpisodeRunner(env, engine, TurnRenderer(engine.tokenizer)).run(
+            env.records("train")[:1], SamplingParams(temperature=1.0, seed=21, stop_token_ids=[])
+        )
+    finally:
+        engine.set_interrupt_on_update(False)
+        for t in updates:
+            t.join()
+    (a1, b1), (a2, b2) = traj.turn_spans
+    assert set(traj.versions[a1:b1]) == {v0}  # the earlier turn is never touched
+    if interrupt:  # the turn restarted from its own prompt: all of it under the new version
+        assert set(traj.versions[a2:b2]) == {v0 + 1} and engine.stats.regenerated == regenerated + 1
+    else:  # without interrupt the turn carries both versions, token by token
+        assert set(traj.versions[a2:b2]) == {v0, v0 + 1}
