@@ -205,3 +205,13 @@ def test_trajectory_tensors_keep_the_holes_and_metrics_count_them():
     )
     assert m["env/end_answered"] == 0.5 and m["env/end_max_turns"] == 0.5
     assert m["env/policy_token_frac"] == pytest.approx(4 / 8)
+
+
+def test_trajectory_tensors_are_the_trainers_batch_fields():
+    from mcore_rl.trainer.rollout_batch import RolloutBatch
+
+    batch = RolloutBatch(**trajectory_tensors([_traj([0, 0, 1, 1, 0, 0, 1], 1.0)], [3]))
+    assert {f.name for f in dataclasses.fields(RolloutBatch)} == set(
+        trajectory_tensors([_traj([0, 1], 0.0)], [0])
+    )
+    assert batch.policy_batch().loss_mask.tolist() == [[0, 0, 1, 1, 0, 0, 1]]
