@@ -31,6 +31,7 @@ def _row_key(tokens: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor) -
 @register_source("old_logit_model")
 class OldLogitModelSource(OldLogpSource):
     needs_interrupt = True
+    exact = True
 
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
