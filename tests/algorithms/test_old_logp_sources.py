@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_rl.batch import build_rollout_batch
 from mcore_rl.oldlogp import SOURCES, SourceContext, build_source
 from mcore_rl.oldlogp.interrupt import check_single_version
 from mcore_rl.oldlogp.store import MissingVersionError, VersionStore, score_by_version
 from mcore_rl.rollout.protocol import Sample
-from mcore_rl.trainer.rollout_batch import build_rollout_batch
 from mcore_rl.utils import params_restored
 
 pytestmark = pytest.mark.algorithms
