@@ -1,6 +1,7 @@
 """Policy-optimisation algorithms: pure functions of per-token tensors, independent of Megatron.
 
-Build one with `build_algorithm(cfg.algorithm)`; only the chosen algorithm's module is imported (registry.py).
+Build one with `build_algorithm(cfg.algorithm)`; an algorithm's module is imported when its name is first built
+(registry.py).
 """
 
 from mcore_rl.algorithms.advantages import AdvantageResult, compute_advantages, overlong_penalty
