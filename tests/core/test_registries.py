@@ -49,7 +49,16 @@ def test_names_without_import_and_lazy_get():
         assert got["listed_without_import"], (attr, got)
         if impl:
             assert (got["before"], got["after"]) == (False, True), (attr, got)
-    assert out["ALGORITHMS"]["names"] == ["cispo", "dapo", "dr_grpo", "grpo", "mu_grpo", "p3o", "ppo_ewma", "scalerl"]
+    assert out["ALGORITHMS"]["names"] == [
+        "cispo",
+        "dapo",
+        "dr_grpo",
+        "grpo",
+        "mu_grpo",
+        "p3o",
+        "ppo_ewma",
+        "scalerl",
+    ]
     assert out["SOURCES"]["names"] == ["interrupt", "old_logit_model", "recompute", "rollout", "snapshot"]
     assert out["ENGINES"]["names"] == ["local", "sglang"]
     assert out["TRANSPORTS"]["names"] == ["disk", "nccl", "tensor"]
@@ -82,10 +91,16 @@ def test_unknown_choices_are_one_line_errors():
     from mcore_rl.rollout.weight_sync.transports import SyncOptions, send_weights
 
     cases = [
-        (lambda: build_algorithm({"name": "gpro"}), "algorithm.name='gpro': expected one of cispo, dapo, dr_grpo"),
+        (
+            lambda: build_algorithm({"name": "gpro"}),
+            "algorithm.name='gpro': expected one of cispo, dapo, dr_grpo",
+        ),
         (lambda: build_source("snap", None), "algorithm.old_logp_source='snap': expected one of interrupt, "),
         (lambda: build_engine("vllm"), "rollout.engine='vllm': expected one of local, sglang"),
-        (lambda: send_weights("ipc", None, [], 1, SyncOptions()), "rollout.sync_mode='ipc': expected one of disk, "),
+        (
+            lambda: send_weights("ipc", None, [], 1, SyncOptions()),
+            "rollout.sync_mode='ipc': expected one of disk, ",
+        ),
         (lambda: build_reward({"name": "format+lenght"}), "reward.name='lenght': expected one of format, "),
         (lambda: build_dataset({"kind": "csv"}), "data.kind='csv': expected one of arithmetic, champ, hf, "),
     ]
@@ -93,7 +108,8 @@ def test_unknown_choices_are_one_line_errors():
         with pytest.raises(RegistryError) as e:
             call()
         assert str(e.value).startswith(message) and "\n" not in str(e.value)
-        assert isinstance(e.value, ValueError)  # config validation turns ValueErrors into exit-2 config errors
+        # config validation turns ValueErrors into exit-2 config errors
+        assert isinstance(e.value, ValueError)
 
 
 def test_model_family_error_lists_the_registry():
