@@ -62,7 +62,7 @@ def measure(torch, a, folder: str, name: str, device: str) -> dict:
     from mcore_rl.policy.step import PolicyBatch
 
     n_tok = a.batch * a.seq
-    # "bf16-eager": bf16 with the compiled element-wise ops off (models/fused_ops.py), for the side-by-side gain
+    # "bf16-eager": bf16 with the compiled element-wise ops off (compat/fused_ops.py), for the side-by-side gain
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[name.removesuffix("-eager")]
     build = BuildConfig(dtype=name.removesuffix("-eager"), compile=not name.endswith("-eager"))
     policy = Policy(folder, PolicyConfig(build=build, token_budget=n_tok))

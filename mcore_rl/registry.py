@@ -17,8 +17,11 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
-class RegistryError(KeyError):
-    """An unknown name; its message is the one line a user sees (`str()` of a KeyError would add quotes)."""
+class RegistryError(KeyError, ValueError):
+    """An unknown name; its message is the one line a user sees (`str()` of a KeyError would add quotes).
+
+    Both a KeyError (a failed lookup) and a ValueError (a bad config value): config validation turns ValueErrors
+    into one-line config errors, so an unknown choice exits like any other bad setting."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
@@ -74,6 +77,16 @@ class Registry(Generic[T]):
             if name not in self._entries:
                 raise RegistryError(f"{self.kind}={name!r}: module {self._modules[name]} did not register it")
         return self._entries[name]
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def values(self) -> list[T]:
+        """Every entry, in name order (imports every built-in module)."""
+        return list(self.load_all().values())
 
     def load_all(self) -> dict[str, T]:
         """Every entry (imports every built-in module): for listings such as Hydra's schema store."""

@@ -38,11 +38,10 @@ from mcore_rl.algorithms.correction import (
 )
 from mcore_rl.algorithms.ops import k3, masked_mean, to_floats
 from mcore_rl.algorithms.reduce import Reducer, identity_reduce, stack_sums
+from mcore_rl.oldlogp.registry import SOURCES
 
 SCHEDULES = ("sync", "staged", "async")
 STALE_POLICIES = ("drop", "requeue")
-OLD_LOGP_SOURCES = ("rollout", "recompute", "snapshot", "old_logit_model", "interrupt")  # mcore_rl/oldlogp/
-EXACT_OLD_LOGP_SOURCES = ("snapshot", "old_logit_model", "interrupt")  # each token scored at its own version
 RENORM_MODES = ("none", "deferred", "microbatch")
 
 
@@ -145,7 +144,7 @@ class AlgorithmConfig:
         if self.schedule == "async" and self.max_staleness < 1:
             raise ValueError(f"{owner}: schedule=async needs max_staleness >= 1 (rounds generated ahead); "
                              "with 0 it is the sync schedule")
-        check_choice(owner, "old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
+        check_choice(owner, "old_logp_source", self.old_logp_source, SOURCES.names())
         check_choice(owner, "adv_std_norm", self.adv_std_norm, STD_NORMS)
         check_choice(owner, "batch_std_source", self.batch_std_source, BATCH_STD_SOURCES)
         check_choice(owner, "loss_agg_mode", self.loss_agg_mode, AGG_MODES)

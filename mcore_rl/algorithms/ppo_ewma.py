@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from mcore_rl.algorithms.base import (
-    EXACT_OLD_LOGP_SOURCES,
     Algorithm,
     AlgorithmConfig,
     PolicyTerms,
@@ -45,6 +44,7 @@ from mcore_rl.algorithms.grpo import ppo_clip_loss
 from mcore_rl.algorithms.ops import log_ratio, masked_mean
 from mcore_rl.algorithms.reduce import Reducer
 from mcore_rl.algorithms.registry import register_algorithm
+from mcore_rl.oldlogp.registry import is_exact
 
 OBJECTIVES = ("decoupled", "original")
 # ewma-route keys: null = this default; set with an exact source they are refused (no EWMA exists)
@@ -84,7 +84,7 @@ class PpoEwmaConfig(AlgorithmConfig):
         owner = f"algorithm {self.name!r}"
         check_choice(owner, "objective", self.objective, OBJECTIVES)
         check_choice(owner, "ti_level", self.ti_level, LEVELS)
-        if self.old_logp_source in EXACT_OLD_LOGP_SOURCES:
+        if is_exact(self.old_logp_source):
             given = [k for k in EWMA_DEFAULTS if getattr(self, k) is not None]
             if given:
                 raise ValueError(f"{owner}: {', '.join(given)} set with "
@@ -110,7 +110,7 @@ class PpoEwmaConfig(AlgorithmConfig):
 
     @property
     def exact(self) -> bool:
-        return self.old_logp_source in EXACT_OLD_LOGP_SOURCES
+        return is_exact(self.old_logp_source)
 
     @property
     def lag_steps(self) -> int:

@@ -2,7 +2,8 @@
 
 `build_algorithm(cfg)` accepts the Hydra node `algorithm` (DictConfig) or a plain dict with a `name` key. The
 config is checked against the registered class's dataclass: unknown keys and ill-typed values are errors that
-name the key and the algorithm, so a typo in a yaml never silently falls back to a default.
+name the key and the algorithm, so a typo in a yaml never silently falls back to a default. `ALGORITHMS` knows
+each built-in's module without importing it, so only the chosen algorithm's module is loaded.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mcore_rl.algorithms.base import Algorithm, AlgorithmConfig
+from mcore_rl.registry import Registry
 
-_REGISTRY: dict[str, type[Algorithm]] = {}
+_PKG = "mcore_rl.algorithms"
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm.name", {
+    "grpo": f"{_PKG}.grpo", "dapo": f"{_PKG}.grpo", "dr_grpo": f"{_PKG}.grpo",
+    "cispo": f"{_PKG}.cispo", "scalerl": f"{_PKG}.cispo",
+    "p3o": f"{_PKG}.p3o", "mu_grpo": f"{_PKG}.mu_grpo", "ppo_ewma": f"{_PKG}.ppo_ewma",
+})  # fmt: skip
 A = TypeVar("A", bound=type[Algorithm])
 
 
@@ -24,23 +31,18 @@ def register_algorithm(name: str) -> Callable[[A], A]:
     """Class decorator: make `cls` buildable as `name: <name>`."""
 
     def deco(cls: A) -> A:
-        if name in _REGISTRY:
-            raise ValueError(f"algorithm {name!r} is already registered by {_REGISTRY[name].__name__}")
         cls.name = name
-        _REGISTRY[name] = cls
-        return cls
+        return ALGORITHMS.register(name)(cls)
 
     return deco
 
 
 def registered_algorithms() -> list[str]:
-    return sorted(_REGISTRY)
+    return ALGORITHMS.names()
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown algorithm {name!r}; registered algorithms: {registered_algorithms()}")
-    return _REGISTRY[name]
+    return ALGORITHMS.get(name)
 
 
 def config_class(name: str) -> type[AlgorithmConfig]:
@@ -72,7 +74,7 @@ def parse_config(cfg: Mapping[str, Any] | DictConfig | AlgorithmConfig) -> Algor
         raise TypeError(f"algorithm config must be a dict or DictConfig, got {type(cfg).__name__}")
     name = data.get("name")
     if not name:
-        raise ValueError(f"algorithm config has no 'name'; registered algorithms: {registered_algorithms()}")
+        raise ValueError(f"algorithm config has no 'name'; expected one of {', '.join(registered_algorithms())}")
     cls = algorithm_class(name)
     _check_keys(data, cls.config_cls, name)
     try:

@@ -53,8 +53,8 @@ def install() -> None:
                 or config.multi_latent_attention or freqs.shape[-1] != t.shape[-1] or freqs.requires_grad):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         cos_, sin_ = _cos_sin(freqs, t.dtype, mscale)
-        if t.dtype != torch.float32:  # bf16/fp16: one compiled loop fwd and bwd (models/fused_ops.py)
-            from mcore_rl.models.fused_ops import compile_enabled, rope
+        if t.dtype != torch.float32:  # bf16/fp16: one compiled loop fwd and bwd (compat/fused_ops.py)
+            from mcore_rl.compat.fused_ops import compile_enabled, rope
 
             if compile_enabled():
                 return rope(t, cos_, sin_)

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from mcore_rl.data.records import LoadSummary, PromptRecord, PromptStyle, build_prompt, check_style
+from mcore_rl.data.registry import register_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,7 @@ class ChampConfig(PromptStyle):
     categories: list[str] | None = None  # e.g. ["Number-Theory"]; None keeps all five
 
 
+@register_dataset("champ", ChampConfig)
 def load_champ(cfg: ChampConfig) -> tuple[list[PromptRecord], LoadSummary]:
     check_style(cfg, "data")
     import champ_dataset

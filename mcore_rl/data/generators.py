@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.data.records import LoadSummary, PromptRecord, PromptStyle, build_prompt, check_style
+from mcore_rl.data.registry import register_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class ArithmeticConfig(PromptStyle):
     question: str = "What is {a} {op} {b}? Answer with just the number."
 
 
+@register_dataset("arithmetic", ArithmeticConfig)
 def make_arithmetic(cfg: ArithmeticConfig) -> tuple[list[PromptRecord], LoadSummary]:
     check_style(cfg, "data")
     if cfg.size < 1 or cfg.min_operand > cfg.max_operand:
@@ -64,6 +66,7 @@ class ReasoningGymConfig(PromptStyle):
     exclude: dict[str, int] | None = None
 
 
+@register_dataset("reasoning_gym", ReasoningGymConfig)
 def make_reasoning_gym(cfg: ReasoningGymConfig) -> tuple[list[PromptRecord], LoadSummary]:
     check_style(cfg, "data")
     import reasoning_gym

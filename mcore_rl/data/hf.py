@@ -15,6 +15,7 @@ from typing import Any
 
 from mcore_rl.data.files import BadJson, read_rows, resolve_local
 from mcore_rl.data.records import LoadSummary, PromptRecord, PromptStyle, build_prompt, check_style
+from mcore_rl.data.registry import register_dataset
 from mcore_rl.rewards.extract import last_boxed
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ def _hub_rows(cfg: HFDataConfig) -> Iterable[tuple[str, int, Any]]:
         yield tag, i, row
 
 
+@register_dataset("hf", HFDataConfig)
 def load_hf(cfg: HFDataConfig) -> tuple[list[PromptRecord], LoadSummary]:
     check_style(cfg, "data")
     if cfg.answer_transform not in ANSWER_TRANSFORMS:

@@ -6,10 +6,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_rl.data.champ import ChampConfig, load_champ
-from mcore_rl.data.generators import ArithmeticConfig, ReasoningGymConfig, make_arithmetic, make_reasoning_gym
-from mcore_rl.data.hf import HFDataConfig, load_hf
 from mcore_rl.data.records import LoadSummary, PromptRecord, config_from_dict
+from mcore_rl.registry import Registry
 
 
 class PromptDataset:
@@ -34,25 +32,32 @@ class PromptDataset:
         return self.records[self._index[prompt_id]]
 
 
-@dataclass
-class _Kind:
+Loader = Callable[[Any], tuple[list[PromptRecord], LoadSummary]]
+
+
+@dataclass(frozen=True)
+class DataKind:
+    """One `data.kind`: its options dataclass (checked key by key) and the loader that takes it."""
+
     config: type
-    load: Callable[[Any], tuple[list[PromptRecord], LoadSummary]]
+    load: Loader
 
 
-DATASETS: dict[str, _Kind] = {}
+DATASETS: Registry[DataKind] = Registry("data.kind", {
+    "hf": "mcore_rl.data.hf", "arithmetic": "mcore_rl.data.generators",
+    "reasoning_gym": "mcore_rl.data.generators", "champ": "mcore_rl.data.champ",
+})  # fmt: skip
 
 
-def register_dataset(kind: str, config: type, load: Callable[[Any], tuple[list[PromptRecord], LoadSummary]]) -> None:
-    if kind in DATASETS:
-        raise ValueError(f"dataset kind {kind!r} registered twice")
-    DATASETS[kind] = _Kind(config, load)
+def register_dataset(kind: str, config: type) -> Callable[[Loader], Loader]:
+    """Decorator on a loader `load(config) -> (records, summary)`: make it `data.kind=<kind>`."""
 
+    def deco(load: Loader) -> Loader:
+        DATASETS.add(kind, DataKind(config, load))
+        return load
 
-register_dataset("hf", HFDataConfig, load_hf)
-register_dataset("arithmetic", ArithmeticConfig, make_arithmetic)
-register_dataset("reasoning_gym", ReasoningGymConfig, make_reasoning_gym)
-register_dataset("champ", ChampConfig, load_champ)
+    return deco
+
 
 # Keys of a data yaml that belong to the sampler, not to the dataset builder.
 SAMPLER_KEYS = ("sampler",)
@@ -72,10 +77,8 @@ def build_dataset(cfg: Mapping[str, Any] | Any) -> PromptDataset:
     """From `{kind: hf|arithmetic|reasoning_gym|champ, ...options}` (a Hydra `data` yaml)."""
     options = plain(cfg)
     kind = options.pop("kind", None)
-    if kind not in DATASETS:
-        raise ValueError(f"data.kind={kind!r} unknown; registered: {sorted(DATASETS)}")
     for key in SAMPLER_KEYS:
         options.pop(key, None)
-    entry = DATASETS[kind]
+    entry = DATASETS.get(kind)
     records, summary = entry.load(config_from_dict(entry.config, options, f"data ({kind})"))
     return PromptDataset(summary.source, records, summary)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mcore_rl.logging import read_jsonl
+from mcore_rl.metrics_log import read_jsonl
 
 _PHASES = ("time_generate", "time_reward", "time_old_logp", "time_train", "time_sync", "time_switch")
 

@@ -14,27 +14,32 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.models.fields import COMMON_FIELDS, DECODER_FIELDS, Field, check_fields
+from mcore_rl.registry import Registry
 
-_FAMILIES: dict[str, type[ModelFamily]] = {}
+_PKG = "mcore_rl.models"
+FAMILIES: Registry[type[ModelFamily]] = Registry("architecture", {
+    "LlamaForCausalLM": f"{_PKG}.llama", "Qwen2ForCausalLM": f"{_PKG}.qwen", "Qwen3ForCausalLM": f"{_PKG}.qwen",
+    "Qwen3MoeForCausalLM": f"{_PKG}.qwen3_moe",
+})  # fmt: skip
+# HF configs without `architectures` name their family by `model_type` only
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def register_family(*architectures: str) -> Callable[[type[ModelFamily]], type[ModelFamily]]:
+    """Class decorator: the adapter for HF configs whose `architectures` name one of `architectures`."""
+
     def deco(cls: type[ModelFamily]) -> type[ModelFamily]:
-        for arch in architectures:
-            _FAMILIES[arch] = cls
         cls.architectures = tuple(architectures)
+        for arch in architectures:
+            FAMILIES.register(arch)(cls)
         return cls
 
     return deco
 
 
 def supported_architectures() -> list[str]:
-    _import_families()
-    return sorted(_FAMILIES)
-
-
-def _import_families() -> None:
-    from mcore_rl.models import llama, qwen, qwen3_moe  # noqa: F401  (registration side effects)
+    return FAMILIES.names()
 
 
 @dataclass
@@ -83,15 +88,13 @@ def read_hf_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
 
 
 def family_for(hf_config: dict[str, Any]) -> ModelFamily:
-    _import_families()
+    """The adapter for `hf_config`; only its family's module is imported."""
     archs = hf_config.get("architectures") or []
-    by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM"}
-    if not archs and hf_config.get("model_type") in by_type:
-        archs = [by_type[hf_config["model_type"]]]
+    if not archs and hf_config.get("model_type") in _MODEL_TYPES:
+        archs = [_MODEL_TYPES[hf_config["model_type"]]]
     for arch in archs:
-        if arch in _FAMILIES:
-            return _FAMILIES[arch]()
+        if arch in FAMILIES:
+            return FAMILIES.get(arch)()
     raise ValueError(
         f"unsupported architecture {archs or hf_config.get('model_type')!r}; supported: "
         f"{', '.join(supported_architectures())}"

@@ -41,6 +41,7 @@ class OldLogpSource:
     name: ClassVar[str] = ""
     keeps_versions: ClassVar[bool] = False     # holds a VersionStore of its own (exact per-token-version scoring)
     needs_interrupt: ClassVar[bool] = False    # the engine must restart in-flight samples at each weight update
+    exact: ClassVar[bool] = False              # every token scored under the version that generated it
 
     def __init__(self, ctx: SourceContext) -> None:
         self.ctx = ctx

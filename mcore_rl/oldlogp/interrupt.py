@@ -23,6 +23,7 @@ def check_single_version(rb) -> None:
 @register_source("interrupt")
 class InterruptSource(OldLogpSource):
     keeps_versions = True
+    exact = True
     needs_interrupt = True
 
     def compute(self, rb, version: int):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.batch import build_rollout_batch
 from mcore_rl.distributed import broadcast_object
 from mcore_rl.oldlogp.base import OldLogpSource, SourceContext
 from mcore_rl.oldlogp.interrupt import check_single_version
@@ -31,6 +32,7 @@ def _row_key(tokens: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor) -
 @register_source("old_logit_model")
 class OldLogitModelSource(OldLogpSource):
     needs_interrupt = True
+    exact = True
 
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
@@ -56,8 +58,6 @@ class OldLogitModelSource(OldLogpSource):
         self._load(version)
 
     def _score_finished(self, finished) -> None:
-        from mcore_rl.trainer.rollout_batch import build_rollout_batch
-
         todo = None
         if finished is not None:  # rank 0
             todo = []

@@ -1,26 +1,34 @@
-"""Name -> old-log-prob source class (`algorithm.old_logp_source`)."""
+"""Name -> old-log-prob source class (`algorithm.old_logp_source`).
+
+The algorithm config validates its `old_logp_source` against these names (and asks `is_exact` whether a source
+scores every token under its own version), so the list of sources lives here only.
+"""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
-SOURCES: dict[str, type] = {}
-_MODULES = ("rollout", "recompute", "snapshot", "old_logit_model", "interrupt")
+from mcore_rl.oldlogp.base import OldLogpSource, SourceContext
+from mcore_rl.registry import Registry
+
+SOURCES: Registry[type[OldLogpSource]] = Registry(
+    "algorithm.old_logp_source", {name: f"mcore_rl.oldlogp.{name}" for name in
+                                  ("rollout", "recompute", "snapshot", "old_logit_model", "interrupt")},
+)  # fmt: skip
 
 
-def register_source(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
+def register_source(name: str) -> Callable[[type[OldLogpSource]], type[OldLogpSource]]:
+    def deco(cls: type[OldLogpSource]) -> type[OldLogpSource]:
         cls.name = name
-        SOURCES[name] = cls
-        return cls
+        return SOURCES.register(name)(cls)
 
     return deco
 
 
-def build_source(name: str, ctx):
-    for mod in _MODULES:
-        importlib.import_module(f"mcore_rl.oldlogp.{mod}")
-    if name not in SOURCES:
-        raise ValueError(f"algorithm.old_logp_source={name!r} is not one of {sorted(SOURCES)}")
-    return SOURCES[name](ctx)
+def is_exact(name: str) -> bool:
+    """Whether source `name` scores each token under the weights of the version that generated it."""
+    return SOURCES.get(name).exact
+
+
+def build_source(name: str, ctx: SourceContext) -> OldLogpSource:
+    return SOURCES.get(name)(ctx)

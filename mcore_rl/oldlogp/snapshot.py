@@ -11,6 +11,7 @@ from mcore_rl.oldlogp.store import score_by_version
 @register_source("snapshot")
 class SnapshotSource(OldLogpSource):
     keeps_versions = True
+    exact = True
 
     def compute(self, rb, version: int):
         return score_by_version(self.ctx.policy, self.store, rb, version, self.ctx.temperature)

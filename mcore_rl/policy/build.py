@@ -76,7 +76,7 @@ def build_gpt_model(
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
-    from mcore_rl.models import fused_ops
+    from mcore_rl.compat import fused_ops
 
     fused_ops.set_compile(build.compile)  # also RoPE (compat/rope.py) and the log-softmax (policy/logprobs.py)
     if (config.bf16 or config.fp16) and impl == "local":

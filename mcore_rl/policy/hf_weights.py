@@ -8,15 +8,14 @@ weight sync and export.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 
 import torch
 
 from mcore_rl import distributed as D
 from mcore_rl.models.base import ModelArgs, ModelFamily
-from mcore_rl.models.llama import canonical_name
 from mcore_rl.policy.build import unwrap
+from mcore_rl.policy.param_names import global_name, is_fc1, tp
 from mcore_rl.policy.weight_stream import (
     Bucket,
     MemoryMeter,
@@ -27,55 +26,11 @@ from mcore_rl.policy.weight_stream import (
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
-
-
-def _ep() -> tuple[int, int]:
-    """(expert-parallel rank, size); (0, 1) for dense models and EP=1."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
-
-
-def _num_local_experts(gpt) -> int:
-    return gpt.config.num_moe_experts // _ep()[1] if gpt.config.num_moe_experts else 0
-
-
-def _expert_name(name: str, ep_rank: int, num_local: int) -> str:
-    """'...local_experts.<j>...' (index on this EP rank) -> '...local_experts.<global e>...'."""
-    m = _LOCAL_EXPERT.match(name)
-    if not m:
-        return name
-    return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
-
-
-def _global_name(gpt, local_name: str) -> str:
-    """Local parameter name (stage-local layer index, EP-local expert index, either spec) -> canonical name with
-    the global layer and expert indices."""
-    m = _LAYER.match(local_name)
-    if m:
-        layer = gpt.decoder.layers[int(m.group(1))]
-        local_name = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
-    if _LOCAL_EXPERT.match(local_name):
-        local_name = _expert_name(local_name, _ep()[0], _num_local_experts(gpt))
-    return canonical_name(local_name)
-
-
-def _is_expert(name: str) -> bool:
-    return _LOCAL_EXPERT.match(name) is not None
-
-
-def _is_fc1(name: str) -> bool:
-    """Dense or expert fc1: [gate; up], sliced per TP rank on each half."""
-    return name.endswith("mlp.linear_fc1.weight") or (_is_expert(name) and name.endswith("linear_fc1.weight"))
-
-
 def _tp_slice(name: str, full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     if size == 1 or not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    if _is_fc1(name):  # each TP rank holds [gate_r; up_r]
+    if is_fc1(name):  # each TP rank holds [gate_r; up_r]
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([torch.chunk(gate, size, 0)[rank], torch.chunk(up, size, 0)[rank]], dim=0)
     return torch.chunk(full, size, dim=dim)[rank]
@@ -86,15 +41,6 @@ def _pad_vocab(name: str, full: torch.Tensor, padded_rows: int) -> torch.Tensor:
         pad = full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])
         return torch.cat([full, pad], dim=0)
     return full
-
-
-def _tp(name: str = ""):
-    """(rank, size) of the tensor-parallel group that shards `name` (the expert-TP group for expert weights)."""
-    from megatron.core import parallel_state as ps
-
-    if _is_expert(name):
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
 @torch.no_grad()
@@ -108,8 +54,8 @@ def load_full_tensors(
     gpt = unwrap(model)
     n = 0
     for local_name, param in gpt.named_parameters():
-        name = _global_name(gpt, local_name)
-        tp_rank, tp_size = _tp(name)
+        name = global_name(gpt, local_name)
+        tp_rank, tp_size = tp(name)
         source = (
             "embedding.word_embeddings.weight"
             if (name == "output_layer.weight" and args.tie_word_embeddings)

@@ -50,7 +50,7 @@ _fused_one_rank = None
 def _fused_logprobs():
     global _fused_one_rank
     if _fused_one_rank is None:
-        from mcore_rl.models.fused_ops import _compiled
+        from mcore_rl.compat.fused_ops import _compiled
 
         _fused_one_rank = _compiled(_logprobs_one_rank)
     return _fused_one_rank
@@ -70,7 +70,7 @@ def vocab_parallel_logprobs(
     """
     tp_rank, tp_size, group = _tp_info()
     if tp_size == 1 and logits.dtype != torch.float32 and logits.shape[-1] > 0:
-        from mcore_rl.models.fused_ops import compile_enabled
+        from mcore_rl.compat.fused_ops import compile_enabled
 
         if compile_enabled():  # bf16/fp16 logits; fp32 (exactness tests) keeps the eager path below
             return _fused_logprobs()(logits, targets, min(vocab_size, logits.shape[-1]), temperature, with_entropy)

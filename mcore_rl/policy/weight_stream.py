@@ -19,6 +19,17 @@ import torch
 
 from mcore_rl import distributed as D
 from mcore_rl.models.base import ModelArgs, ModelFamily
+from mcore_rl.models.llama import canonical_name
+from mcore_rl.policy.param_names import (
+    LAYER,
+    ep,
+    expert_name,
+    global_name,
+    is_expert,
+    is_fc1,
+    num_local_experts,
+    tp,
+)
 
 
 @dataclass
@@ -108,18 +119,16 @@ class _Item:
 
 
 def _plan(gpt, args: ModelArgs, bucket_bytes: int) -> list[list[_Item]]:
-    from mcore_rl.policy import hf_weights as H
-
     items = []
     for local_name, param in gpt.named_parameters():
-        name = H._global_name(gpt, local_name)
+        name = global_name(gpt, local_name)
         if name == "output_layer.weight" and args.tie_word_embeddings:
             continue  # the tied copy on the last stage; the embedding is the source of truth
         n = param.numel() * param.element_size()
         if getattr(param, "tensor_model_parallel", False):
-            n *= H._tp(name)[1]
-        if H._is_expert(name):
-            n *= H._ep()[1]
+            n *= tp(name)[1]
+        if is_expert(name):
+            n *= ep()[1]
         items.append(_Item(local_name, name, param, n))
     buckets: list[list[_Item]] = []
     size = 0
@@ -138,23 +147,19 @@ def _tp_parts(name: str, param: torch.Tensor) -> list[torch.Tensor] | None:
     """Every TP rank's shard of `param` (None when it is not TP-sharded)."""
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.policy import hf_weights as H
-
-    if H._tp(name)[1] == 1 or not getattr(param, "tensor_model_parallel", False):
+    if tp(name)[1] == 1 or not getattr(param, "tensor_model_parallel", False):
         return None
     group = (
-        ps.get_expert_tensor_parallel_group() if H._is_expert(name) else ps.get_tensor_model_parallel_group()
+        ps.get_expert_tensor_parallel_group() if is_expert(name) else ps.get_tensor_model_parallel_group()
     )
     return D.all_gather(param.data, group=group)
 
 
 def _assemble(name: str, param: torch.Tensor, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
     """Write the full canonical tensor into `out` (no temporary: cat writes into the slot)."""
-    from mcore_rl.policy import hf_weights as H
-
     if parts is None:
         out.copy_(param.data)
-    elif H._is_fc1(name):  # each TP rank holds [gate_r; up_r]
+    elif is_fc1(name):  # each TP rank holds [gate_r; up_r]
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
         torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=out)
     else:
@@ -232,18 +237,16 @@ def _gather_into(
 ) -> int:
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.policy import hf_weights as H
-
     parts = _tp_parts(it.name, it.param)
     part_bytes = sum(p.numel() * p.element_size() for p in parts) if parts is not None else 0
     meter.add(part_bytes)
-    if not H._is_expert(it.name):
+    if not is_expert(it.name):
         if bucket is not None:
             n = it.gathered_bytes
             slot = bucket.data[cursor : cursor + n].view(it.param.dtype)
             shape = list(it.param.shape)
             if parts is not None:
-                shape[0 if H._is_fc1(it.name) else it.param.partition_dim] *= len(parts)
+                shape[0 if is_fc1(it.name) else it.param.partition_dim] *= len(parts)
             full = slot.view(shape)
             _assemble(it.name, it.param, parts, full)
             del parts
@@ -254,29 +257,29 @@ def _gather_into(
     # expert weight: TP-gathered, then every EP rank's block of experts (each a canonical tensor of its own)
     shape = list(it.param.shape)
     if parts is not None:
-        shape[0 if H._is_fc1(it.name) else it.param.partition_dim] *= len(parts)
+        shape[0 if is_fc1(it.name) else it.param.partition_dim] *= len(parts)
     full_tp = torch.empty(shape, dtype=it.param.dtype, device=it.param.device)
     meter.add(full_tp.numel() * full_tp.element_size())
     _assemble(it.name, it.param, parts, full_tp)
     meter.sub(part_bytes)
     del parts
-    ep_size = H._ep()[1]
+    ep_size = ep()[1]
     experts = D.all_gather(full_tp, group=ps.get_expert_model_parallel_group()) if ep_size > 1 else [full_tp]
     ep_bytes = sum(t.numel() * t.element_size() for t in experts) if ep_size > 1 else 0
     meter.add(ep_bytes)
     if bucket is None:
         meter.sub(full_tp.numel() * full_tp.element_size() + ep_bytes)
         return cursor
-    m = H._LAYER.match(it.local_name)
+    m = LAYER.match(it.local_name)
     name = it.local_name
     if m:
         name = f"decoder.layers.{gpt.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
-    num_local = H._num_local_experts(gpt)
+    num_local = num_local_experts(gpt)
     for r, t in enumerate(experts):
         nb = t.numel() * t.element_size()
         full = bucket.data[cursor : cursor + nb].view(t.dtype).view(t.shape)
         full.copy_(t)
-        cursor = filler.place(bucket, cursor, H.canonical_name(H._expert_name(name, r, num_local)), full)
+        cursor = filler.place(bucket, cursor, canonical_name(expert_name(name, r, num_local)), full)
     meter.sub(full_tp.numel() * full_tp.element_size() + ep_bytes)
     return cursor
 

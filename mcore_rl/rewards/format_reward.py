@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mcore_rl.rewards.base import RewardResult, check_lengths
 from mcore_rl.rewards.extract import final_line_is_number, has_boxed_answer, tail
+from mcore_rl.rewards.registry import register_reward
+from mcore_rl.utils import config_from_dict
 
 FORMAT_CHECKS: dict[str, Callable[[str], bool]] = {
     "boxed": has_boxed_answer,
@@ -48,3 +51,8 @@ class FormatReward:
 
     def close(self) -> None:
         pass
+
+
+@register_reward("format")
+def build_format(options: dict[str, Any]) -> FormatReward:
+    return FormatReward(config_from_dict(FormatConfig, options, "reward.format"))

@@ -9,32 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mcore_rl.registry import Registry
 from mcore_rl.rewards.base import CrashRateGuard, RewardFn, RewardResult, check_lengths
-from mcore_rl.rewards.format_reward import FormatConfig, FormatReward
-from mcore_rl.rewards.verifier import MathVerifyConfig, MathVerifyReward
-from mcore_rl.utils import config_from_dict
 
-REWARDS: dict[str, Callable[[dict[str, Any]], RewardFn]] = {}
-
-
-def register_reward(name: str) -> Callable:
-    def deco(builder: Callable[[dict[str, Any]], RewardFn]) -> Callable[[dict[str, Any]], RewardFn]:
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} registered twice")
-        REWARDS[name] = builder
-        return builder
-
-    return deco
+RewardBuilder = Callable[[dict[str, Any]], RewardFn]
+REWARDS: Registry[RewardBuilder] = Registry(
+    "reward.name", {"math_verify": "mcore_rl.rewards.verifier", "format": "mcore_rl.rewards.format_reward"}
+)
 
 
-@register_reward("math_verify")
-def _build_math_verify(options: dict[str, Any]) -> RewardFn:
-    return MathVerifyReward(config_from_dict(MathVerifyConfig, options, "reward.math_verify"))
-
-
-@register_reward("format")
-def _build_format(options: dict[str, Any]) -> RewardFn:
-    return FormatReward(config_from_dict(FormatConfig, options, "reward.format"))
+def register_reward(name: str) -> Callable[[RewardBuilder], RewardBuilder]:
+    """Decorator for `builder(options) -> RewardFn`; `options` is the reward's own section of the config."""
+    return REWARDS.register(name)
 
 
 class CombinedReward:
@@ -91,8 +77,7 @@ def _build(cfg: dict[str, Any]) -> RewardFn:
         raise ValueError(f"reward.name must be a non-empty string like 'math_verify'; got {name!r}")
     names = [n.strip() for n in name.split("+")]
     for n in names:
-        if n not in REWARDS:
-            raise ValueError(f"reward.name: unknown reward {n!r}; registered: {sorted(REWARDS)}")
+        REWARDS.check(n)
     weights = dict(cfg.get("weights") or {})
     stray = sorted(set(cfg) - {"name", "weights"} - set(REWARDS)) + sorted(set(weights) - set(names))
     if stray:

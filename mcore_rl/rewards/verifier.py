@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from mcore_rl.rewards.base import RewardResult, check_lengths
 from mcore_rl.rewards.extract import tail
 from mcore_rl.rewards.pool import VerifierPool
+from mcore_rl.rewards.registry import register_reward
 from mcore_rl.rewards.worker import WorkerOptions
+from mcore_rl.utils import config_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +85,8 @@ class MathVerifyReward:
 
     def close(self) -> None:
         self.pool.close()
+
+
+@register_reward("math_verify")
+def build_math_verify(options: dict[str, Any]) -> MathVerifyReward:
+    return MathVerifyReward(config_from_dict(MathVerifyConfig, options, "reward.math_verify"))

@@ -10,13 +10,14 @@ exact even when a weight update lands in the middle of a sequence.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+
+from mcore_rl.registry import Registry
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -144,8 +145,9 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-ENGINE_REGISTRY: dict[str, Callable[..., RolloutEngine]] = {}
-_ENGINE_MODULES = {"local": "mcore_rl.rollout.local.engine", "sglang": "mcore_rl.rollout.sglang.remote_engine"}
+ENGINES: Registry[Callable[..., RolloutEngine]] = Registry(
+    "rollout.engine", {"local": "mcore_rl.rollout.local.engine", "sglang": "mcore_rl.rollout.sglang.remote_engine"}
+)
 
 
 class EngineFailure(RuntimeError):
@@ -153,22 +155,12 @@ class EngineFailure(RuntimeError):
 
 
 def register_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:
-    def deco(factory: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
-        ENGINE_REGISTRY[name] = factory
-        return factory
-
-    return deco
+    return ENGINES.register(name)
 
 
 def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    """Build a registered engine by name (``local`` | ``sglang``); the module is imported on demand."""
-    if name not in ENGINE_REGISTRY and name in _ENGINE_MODULES:
-        importlib.import_module(_ENGINE_MODULES[name])
-    if name not in ENGINE_REGISTRY:
-        raise KeyError(
-            f"rollout engine {name!r} is not registered; known: {sorted(set(_ENGINE_MODULES) | set(ENGINE_REGISTRY))}"
-        )
-    return ENGINE_REGISTRY[name](**kwargs)
+    """Build a registered engine by name (``local`` | ``sglang``); only that engine's module is imported."""
+    return ENGINES.get(name)(**kwargs)
 
 
 def expand_requests(requests: Sequence[GenerationRequest]) -> list[tuple[GenerationRequest, int]]:

@@ -14,15 +14,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl.agreement import FatalRunError
 from mcore_rl.algorithms import build_algorithm
+from mcore_rl.batch import RolloutBatch, build_rollout_batch, update_rows
 from mcore_rl.config.trainer import resolve_deterministic
 from mcore_rl.distributed import broadcast_object, describe_groups, init_distributed
 from mcore_rl.evaluation.runner import evaluate_sets
-from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
+from mcore_rl.metrics_log import MetricsLogger, memory_gb, plot_run
 from mcore_rl.policy.policy import Policy
 from mcore_rl.rollout.weight_sync.megatron_sync import sync_weights
 from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS, SyncOptions
 from mcore_rl.trainer import prompts as prompt_src
-from mcore_rl.trainer.rollout_batch import RolloutBatch, build_rollout_batch, update_rows
 from mcore_rl.trainer.rounds import PromptsLog, produce
 from mcore_rl.trainer.schedule import build_schedule
 from mcore_rl.trainer.setup import (

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from mcore_rl.agreement import FatalRunError, any_rank
 from mcore_rl.algorithms import Algorithm, TokenBatch
+from mcore_rl.batch import RolloutBatch
 from mcore_rl.distributed import broadcast_floats, sum_reducer
 from mcore_rl.faults import nan_at
-from mcore_rl.trainer.rollout_batch import RolloutBatch
 
 log = logging.getLogger("mcore_rl")
 

@@ -65,7 +65,7 @@ def test_override_from_dictconfig_with_interpolation():
 
 
 @pytest.mark.parametrize("cfg,match", [
-    ({"name": "nope"}, r"unknown algorithm 'nope'; registered algorithms: \['cispo', 'dapo'"),
+    ({"name": "nope"}, r"algorithm.name='nope': expected one of cispo, dapo"),
     ({"eps_low": 0.1}, r"no 'name'"),
     ({"name": "grpo", "eps_hihg": 0.3}, r"algorithm 'grpo': unknown config key 'eps_hihg'"),
     ({"name": "mu_grpo", "correction": {"mod": "tis"}}, r"algorithm 'mu_grpo': unknown config key 'correction.mod'"),

@@ -160,7 +160,7 @@ def test_unreachable_hub_names_the_path():
 
 
 def test_config_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"data.kind='csv' unknown; registered: \['arithmetic', 'champ', 'hf'"):
+    with pytest.raises(ValueError, match="data.kind='csv': expected one of arithmetic, champ, hf, reasoning_gym"):
         build_dataset({"kind": "csv"})
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['promt_field'\]"):
         build_dataset({"kind": "hf", "path": "x.jsonl", "promt_field": "q"})

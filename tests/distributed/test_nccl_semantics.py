@@ -132,10 +132,10 @@ def test_policy_dp_padding_and_logprobs(nccl, policy, monkeypatch):
 
 def test_audit_moe_metrics_reducer_and_precision(nccl, policy, monkeypatch):
     from mcore_rl.algorithms.reduce import make_dist_reducer
+    from mcore_rl.batch import RolloutBatch
     from mcore_rl.oldlogp.audit import Auditor
     from mcore_rl.policy import precision
     from mcore_rl.policy.moe_metrics import RouterLoad
-    from mcore_rl.trainer.rollout_batch import RolloutBatch
 
     n, L = 4, 12
     tokens = torch.randint(0, 512, (n, L), generator=torch.Generator().manual_seed(1))

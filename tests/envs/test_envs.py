@@ -208,7 +208,7 @@ def test_trajectory_tensors_keep_the_holes_and_metrics_count_them():
 
 
 def test_trajectory_tensors_are_the_trainers_batch_fields():
-    from mcore_rl.trainer.rollout_batch import RolloutBatch
+    from mcore_rl.batch import RolloutBatch
 
     batch = RolloutBatch(**trajectory_tensors([_traj([0, 0, 1, 1, 0, 0, 1], 1.0)], [3]))
     assert {f.name for f in dataclasses.fields(RolloutBatch)} == set(

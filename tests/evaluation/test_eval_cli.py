@@ -57,7 +57,7 @@ def test_eval_bad_inputs_are_one_line_errors(tiny_run, tmp_path, eval_inproc):
         ([str(tiny_run), "--set", "arithmetic:bogus=1"], "bogus"),
         ([str(tiny_run), "-n", "2", "--k", "3"], "--k must satisfy 1 <= k <= n=2"),
         ([str(tmp_path)], "not an HF folder"),
-        ([str(tiny_run), "--engine", "nosuch"], "--engine nosuch: rollout engine 'nosuch' is not registered"),
+        ([str(tiny_run), "--engine", "nosuch"], "--engine nosuch: rollout.engine='nosuch': expected one of local"),
         ([str(tiny_run), "--engine-arg", "bogus_arg=1"], "bogus_arg"),
         ([str(tiny_run), "--engine-arg", "dtype"], "--engine-arg 'dtype': expected KEY=VALUE"),
     ]

@@ -10,7 +10,7 @@ import pytest
 
 from mcore_rl.algorithms.scaling_curve import sigmoid_curve
 from mcore_rl.evaluation.scaling import FitError, bootstrap_fit
-from mcore_rl.logging import MetricsLogger
+from mcore_rl.metrics_log import MetricsLogger
 from tests.evaluation.conftest import run_module
 
 pytestmark = pytest.mark.evaluation

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from mcore_rl.logging import MetricsLogger
+from mcore_rl.metrics_log import MetricsLogger
 from tests.faults.faultlib import checkpoint_tensors, records, train
 
 pytestmark = pytest.mark.faults

@@ -109,7 +109,7 @@ def test_bf16_uses_megatron_mixed_precision(logprobs_by_dtype):
     mains = [p for o in opts for g in o.fp32_from_float16_groups for p in g]
     assert mains and {p.dtype for p in mains} == {torch.float32}
     assert {p.main_grad.dtype for p in pol.model.parameters()} == {torch.float32}
-    # compiled element-wise ops (models/fused_ops.py): every RMSNorm (2 per layer + final) and every SwiGLU MLP
+    # compiled element-wise ops (compat/fused_ops.py): every RMSNorm (2 per layer + final) and every SwiGLU MLP
     L = pol.args.num_layers
     assert pol.gpt.fused_ops == {"rms_norm": 2 * L + 1, "swiglu": L}
     assert all(g["fused"] for o in opts for g in o.optimizer.param_groups)  # fused CPU AdamW (policy/build.py)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from mcore_rl.models import fused_ops
+from mcore_rl.compat import fused_ops
 from tests.config.keyscan import compose
 from tests.conftest import REPO
 

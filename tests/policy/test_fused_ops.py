@@ -1,4 +1,4 @@
-"""The compiled element-wise ops of the bf16 path (models/fused_ops.py, policy/logprobs.py) against fp32 eager.
+"""The compiled element-wise ops of the bf16 path (compat/fused_ops.py, policy/logprobs.py) against fp32 eager.
 
 Each compiled op is fed bf16 inputs; its output and input gradients are compared with the same maths in fp32 on
 the same (bf16-exact) values. The compiled op rounds once, where eager bf16 rounds after every op, so its error
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_rl.models import fused_ops
+from mcore_rl.compat import fused_ops
 from mcore_rl.policy.logprobs import reference_logprobs, vocab_parallel_logprobs
 
 BF16_ULP = 2.0**-8

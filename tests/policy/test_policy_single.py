@@ -150,8 +150,7 @@ def test_cached_rope_is_bitwise_megatron_and_computes_cos_once(policy, monkeypat
 
     from megatron.core.transformer import attention
 
-    from mcore_rl.compat import rope
-    from mcore_rl.models import fused_ops
+    from mcore_rl.compat import fused_ops, rope
 
     assert attention.apply_rotary_pos_emb.__wrapped__ is not None  # installed by the local layer spec
     cfg = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.registry import Registry
 from mcore_rl.rollout.weight_sync import disk_sync
 
 
@@ -38,23 +39,17 @@ class SyncOptions:
 # rollout.* keys the trainer reads for weight sync; the engine gets every other key of the rollout config
 TRAINER_KEYS = ("sync_mode", "sync_dir", "keep_versions")
 Transport = Callable[[object, Iterable[tuple[str, torch.Tensor]], int, SyncOptions], None]
-TRANSPORTS: dict[str, Transport] = {}
+TRANSPORTS: Registry[Transport] = Registry("rollout.sync_mode", {name: __name__ for name in ("disk", "tensor", "nccl")})
 
 
 def register_transport(name: str) -> Callable[[Transport], Transport]:
-    def deco(fn: Transport) -> Transport:
-        TRANSPORTS[name] = fn
-        return fn
-
-    return deco
+    return TRANSPORTS.register(name)
 
 
 def send_weights(
     mode: str, engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, options: SyncOptions
 ) -> None:
-    if mode not in TRANSPORTS:
-        raise ValueError(f"rollout.sync_mode={mode!r}: expected one of {sorted(TRANSPORTS)}")
-    TRANSPORTS[mode](engine, named_tensors, version, options)
+    TRANSPORTS.get(mode)(engine, named_tensors, version, options)
 
 
 @register_transport("disk")
