@@ -100,3 +100,29 @@ def test_three_turn_episodes_through_router_stay_on_one_worker(routed, smol_dir)
     assert all(by_rid[rid]["input_ids"] == row["input_ids"] for rid, (_, row) in served.items() if rid in by_rid)
     assert worst < 1e-4, worst
     print(f"router: 4 episodes x 3 turns, workers {workers}, max |logprob - HF| = {worst:.1e}", file=sys.stderr)
+
+
+def test_eval_env_through_router(routed, smol_dir, tmp_path):
+    """`mcore-rl-eval --env retry --rollout sglang` on the same router: the reported turns and endings are the
+    episodes', and every episode's turns were served by one worker."""
+    from mcore_rl.evaluation.cli import main
+    from tests.evaluation.conftest import read_jsonl
+
+    launcher, req_logs = routed
+    before = set(_served(req_logs, launcher.worker_urls))
+    urls = "[" + ",".join(f'"{u}"' for u in launcher.worker_urls) + "]"
+    out = tmp_path / "res.jsonl"
+    rc = main([str(smol_dir), "--env", "retry:max_attempts=2,max_turns=2,max_new_tokens=4,truncated_turn=close",
+               "--num-prompts", "3", "-n", "2", "--temperature", "1.0", "--no-progress", "--out", str(out),
+               "--rollout", "sglang", "--engine-arg", f"worker_urls={urls}",
+               "--engine-arg", f"router_url={launcher.router_url}"])  # fmt: skip
+    assert rc == 0
+    (line,) = read_jsonl(out)
+    assert line["num_prompts"] == 3 and line["turns"] == 2.0 and line["end_out_of_attempts"] == 1.0
+    new = {rid: v for rid, v in _served(req_logs, launcher.worker_urls).items() if rid not in before}
+    assert len(new) == 3 * 2 * 2  # prompts x episodes x turns
+    by_key: dict[str, set[int]] = {}
+    for w, row in new.values():
+        by_key.setdefault(row["routing_key"], set()).add(w)
+    assert len(by_key) == 6 and all(len(ws) == 1 for ws in by_key.values())
+    assert {w for ws in by_key.values() for w in ws} == {0, 1}
