@@ -126,3 +126,33 @@ def test_eval_env_through_router(routed, smol_dir, tmp_path):
         by_key.setdefault(row["routing_key"], set()).add(w)
     assert len(by_key) == 6 and all(len(ws) == 1 for ws in by_key.values())
     assert {w for ws in by_key.values() for w in ws} == {0, 1}
+
+
+@pytest.fixture(scope="module")
+def wheel():
+    """The sglang 0.5.23 wheel the SGLang contract tests read (tests/rollout/test_sglang_contract.py)."""
+    import zipfile
+
+    from tests.rollout.test_sglang_contract import CACHE, VERSION
+
+    found = sorted(CACHE.glob(f"sglang-{VERSION}-*.whl"))
+    if not found:
+        pytest.skip(f"sglang {VERSION} wheel not in {CACHE} (tests/rollout/test_sglang_contract.py downloads it)")
+    with zipfile.ZipFile(found[-1]) as zf:
+        yield zf
+
+
+def test_flags_and_header_are_the_real_ones(wheel):
+    """The stand-in's log flags are SGLang 0.5.23's, the header is the one SGLang logs and the installed
+    sglang-router reads, and `manual` / `min_group` are the router's own choices."""
+    import sglang_router.router_args as ra
+
+    from mcore_rl.rollout.sglang.client import ROUTING_KEY_HEADER
+
+    obs = wheel.read("sglang/srt/arg_groups/fields/observability.py").decode()
+    assert "    log_requests: A[" in obs and "    log_requests_target: A[" in obs
+    assert f'"{ROUTING_KEY_HEADER}"' in wheel.read("sglang/srt/utils/request_logger.py").decode()
+    router_so = next(Path(ra.__file__).parent.glob("sglang_router_rs*.so")).read_bytes()
+    assert ROUTING_KEY_HEADER.encode() in router_so
+    src = Path(ra.__file__).read_text()
+    assert '"manual"' in src and '"min_group"' in src
