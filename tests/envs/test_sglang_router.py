@@ -156,3 +156,35 @@ def test_flags_and_header_are_the_real_ones(wheel):
     assert ROUTING_KEY_HEADER.encode() in router_so
     src = Path(ra.__file__).read_text()
     assert '"manual"' in src and '"min_group"' in src
+
+
+def test_launcher_rebinds_a_server_whose_port_was_taken(smol_dir, tmp_path, monkeypatch):
+    """On a shared host another process can take a free port before the server binds it (this flaked the test
+    above once): the launcher starts that server again on a new port instead of failing the run."""
+    import socket
+
+    from mcore_rl.rollout.sglang import launcher as launcher_mod
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real, calls = launcher_mod.free_port, []
+
+    def first_taken(host: str = "127.0.0.1") -> int:
+        calls.append(1)
+        return taken if len(calls) == 1 else real(host)
+
+    monkeypatch.setattr(launcher_mod, "free_port", first_taken)
+    cfg = LauncherConfig(model_path=str(smol_dir), server="mcore-rl-serve", num_servers=1,
+                         extra_args=["--num-threads", "1"], log_dir=str(tmp_path), health_timeout_s=180,
+                         monitor=False)  # fmt: skip
+    try:
+        with ServerLauncher(cfg) as launcher:
+            (url,) = launcher.worker_urls
+            assert not url.endswith(f":{taken}")
+            with urllib.request.urlopen(url + "/health", timeout=30) as resp:
+                assert resp.status == 200
+    finally:
+        squatter.close()
+    assert "address already in use" in (tmp_path / "server0.log").read_text().lower()
