@@ -155,7 +155,11 @@ class EpisodeRunner:
             stop_token_ids=sorted({*sampling.stop_token_ids, self.renderer.eot_id}),
         )
         live.episode.turn += 1
-        req = GenerationRequest(list(live.ids), sp, rid=f"{live.rid}/t{live.episode.turn}")
+        # routing_key: every turn of an episode to the same server where a router allows it (sglang-router's
+        # manual policy), so the episode's prefix is found in that server's cache
+        req = GenerationRequest(
+            list(live.ids), sp, rid=f"{live.rid}/t{live.episode.turn}", metadata={"routing_key": live.rid}
+        )
         return self.engine.submit([req])[0]
 
     def _advance(

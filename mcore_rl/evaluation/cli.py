@@ -1,5 +1,6 @@
-"""`mcore-rl-eval MODEL --set SPEC [--set SPEC ...]`: held-out evaluation of an HF folder, a run directory or a
-Megatron checkpoint: n samples per prompt, mean@n and unbiased pass@k, one table row per set, results as jsonl.
+"""`mcore-rl-eval MODEL --set SPEC [--set SPEC ...] [--env NAME ...]`: held-out evaluation of an HF folder, a run
+directory or a Megatron checkpoint: n samples (an environment: n episodes) per prompt, mean@n and unbiased pass@k,
+one table row per set or environment, results as jsonl.
 
 Exit codes: 0 done; 2 bad input (unknown set, missing model, bad option), one line on stderr.
 """
@@ -23,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcore-rl-eval", description=__doc__.splitlines()[0])
     p.add_argument("model", help="HF folder, run directory, or Megatron checkpoint folder")
     p.add_argument("--set", dest="sets", action="append", default=None, help=SET_HELP + " (default: arithmetic)")
+    p.add_argument("--env", dest="envs", action="append", default=None, metavar="NAME[:key=value,...]",
+                   help="an environment's held-out episodes, repeatable: NAME (hydra_conf/env/NAME.yaml) or FILE.yaml, "
+                        "optionally :key=value,... overriding its keys (e.g. calculator:max_turns=2)")
     p.add_argument("--num-prompts", type=int, default=32, help="first N prompts of each set; 0 = all (default 32)")
     p.add_argument("-n", "--samples", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--k", type=int, action="append", default=None,
@@ -116,6 +120,7 @@ def run(a: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from mcore_rl.data import render_prompt
+    from mcore_rl.evaluation.envs import evaluate_env, format_env_table, load_env
     from mcore_rl.evaluation.model_source import resolve_model
     from mcore_rl.evaluation.runner import GenerationConfig, HeldOutSet, evaluate_set
     from mcore_rl.evaluation.sets import load_set
@@ -127,12 +132,14 @@ def run(a: argparse.Namespace) -> int:
     ks = sorted(set(a.k)) if a.k else default_ks(n)
     if any(not 1 <= k <= n for k in ks):
         raise ValueError(f"--k must satisfy 1 <= k <= n={n}; got {ks}")
-    specs = a.sets or ["arithmetic"]
+    specs = a.sets or ([] if a.envs else ["arithmetic"])
     sets = [(spec, load_set(spec, a.num_prompts)) for spec in specs]  # bad specs fail before the model loads
+    envs = []
     # one scratch folder per invocation (a checkpoint's HF export, launcher logs), removed at the end: repeated
     # evaluations of checkpoints must not fill the disk with ~0.5 GB exports nobody asked to keep (--export-dir)
     scratch = tempfile.TemporaryDirectory(prefix="mcore_rl_eval_")
     try:
+        envs = [load_env(spec, a.num_prompts) for spec in a.envs or []]
         model = resolve_model(a.model, a.hf_config, a.checkpoint, a.export_dir or scratch.name)
         print(f"model: {model.hf_dir} ({model.kind}, from {model.origin})", file=sys.stderr)
         tok_dir = model.hf_dir if any(model.hf_dir.glob("tokenizer*")) else model.tokenizer_dir
@@ -151,33 +158,49 @@ def run(a: argparse.Namespace) -> int:
                 hs = HeldOutSet(es.name, [render_prompt(tokenizer, r) for r in es.records], es.records, es.scorer,
                                 prefixed=False)
                 results.append(evaluate_set(engine, hs, gen, stop_ids, ks, spec, progress=not a.no_progress))
+            env_results = [evaluate_env(engine, tokenizer, es, gen, stop_ids, ks) for es in envs]
         finally:
             engine.close()
     finally:
         for _, es in sets:
             es.scorer.close()
+        for ev in envs:
+            ev.env.close()
         scratch.cleanup()
-    print(format_table([(r.spec, r.summary) for r in results], ks, n))
-    _write_results(a, model, results)
+    if results:
+        print(format_table([(r.spec, r.summary) for r in results], ks, n))
+    if env_results:
+        print(format_env_table([(r.spec, r.summary) for r in env_results], ks, n))
+    _write_results(a, model, results, env_results, envs)
     return 0
 
 
-def _write_results(a: argparse.Namespace, model, results: list) -> None:
-    """One summary line per set appended to --out; every prompt's responses and verdicts to --samples-out."""
+def _write_results(a: argparse.Namespace, model, results: list, env_results: list, envs: list) -> None:
+    """One summary line per set / environment appended to --out; every prompt's responses and verdicts (an
+    environment's: every episode) to --samples-out. An environment's line says `"env": SPEC` instead of `"set"`
+    and carries its config; `max_new_tokens` is then its per-turn limit."""
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = time.time()
+    common = {"time": stamp, "model": str(model.origin), "model_kind": model.kind, "temperature": a.temperature,
+              "seed": a.seed}
     with out.open("a") as f:
         for r in results:
-            f.write(json.dumps({"time": stamp, "model": str(model.origin), "model_kind": model.kind, "set": r.spec,
-                                "source": r.name, "temperature": a.temperature,
-                                "max_new_tokens": a.max_new_tokens, "seed": a.seed, **r.summary}) + "\n")
+            f.write(json.dumps({**common, "set": r.spec, "source": r.name, "max_new_tokens": a.max_new_tokens,
+                                **r.summary}) + "\n")
+        for r, ev in zip(env_results, envs):
+            f.write(json.dumps({**common, "env": r.spec, "source": r.name,
+                                "max_new_tokens": ev.env.config.max_new_tokens, "env_config": ev.config,
+                                **r.summary}) + "\n")
     print(f"wrote {out}")
     if a.samples_out:
         with Path(a.samples_out).open("w") as f:
             for r in results:
                 for row in r.per_prompt:
                     f.write(json.dumps({"set": r.spec, **row}) + "\n")
+            for r in env_results:
+                for row in r.per_prompt:
+                    f.write(json.dumps({"env": r.spec, **row}) + "\n")
         print(f"wrote {a.samples_out}")
 
 

@@ -9,7 +9,9 @@ thread (which batches concurrent requests) and await its futures.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -32,6 +34,7 @@ from mcore_rl.rollout.server.state import (
 )
 
 log = logging.getLogger("mcore_rl.serve")
+REQUEST_LOG = web.AppKey("request_log", Any)  # an open text stream when --log-requests is on
 
 
 # ---------------------------------------------------------------------- handlers
@@ -81,7 +84,23 @@ async def _generate(request, state: ServerState, requests, options, single: bool
     finally:
         state.queued -= count
     out = [render_sample(s, o, engine, t0) for s, o in zip(samples, item_opts)]
+    _log_requests(request, samples)
     return web.json_response(out[0] if single else out)
+
+
+def _log_requests(request: web.Request, samples) -> None:
+    """SGLang's --log-requests (json format): what this server was fed and produced, with the routing-key
+    header SGLang also logs. Tests read it to see which worker served which request."""
+    target = request.app.get(REQUEST_LOG)
+    if target is None:
+        return
+    key = request.headers.get("x-smg-routing-key")
+    for s in samples:
+        row = {"rid": s.rid, "input_ids": s.prompt_ids, "output_ids": s.output_ids,
+               "output_logprobs": s.output_logprobs, "weight_versions": s.weight_versions,
+               "routing_key": key}  # fmt: skip
+        target.write(json.dumps(row) + "\n")
+    target.flush()
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -188,12 +207,16 @@ def build_app(
     limits: Limits | None = None,
     api_key: str | None = None,
     weight_group_timeout_s: float = weight_update.GROUP_TIMEOUT_S,
+    request_log: str | None = None,
 ) -> web.Application:
+    """request_log: "stdout" or a file to append one JSON line per generated sample to (None: off)."""
     limits = limits or Limits()
     app = web.Application(middlewares=[auth, errors], client_max_size=limits.max_body_bytes)
     app[STATE] = ServerState(engine, info, limits, api_key or None)
     app[weight_update.GROUP_TIMEOUT] = float(weight_group_timeout_s)
     app.on_cleanup.append(weight_update.close_groups)
+    if request_log is not None:
+        app[REQUEST_LOG] = sys.stdout if request_log == "stdout" else open(request_log, "a")  # noqa: SIM115
     post = {
         "/generate": generate,
         "/update_weights_from_disk": update_weights_from_disk,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp-size", type=int, default=1, choices=[1])
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--log-requests", action="store_true", help="log every generated sample (json lines)")
+    p.add_argument("--log-requests-target", default="stdout",
+                   help="stdout or a directory (SGLang's flag): DIR/requests-PORT.jsonl")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -63,10 +67,21 @@ def main(argv: list[str] | None = None) -> None:
     log.info("mcore-rl-serve: http://%s:%d  model=%s  auth=%s", args.host, args.port, args.model_path,
              "on" if key else "off")  # fmt: skip
     web.run_app(
-        build_app(engine, info, limits=limits, api_key=key, weight_group_timeout_s=args.weight_group_timeout_s),
+        build_app(engine, info, limits=limits, api_key=key, weight_group_timeout_s=args.weight_group_timeout_s,
+                  request_log=_request_log(args)),
         host=args.host, port=args.port, print=None,
         handler_cancellation=True,
     )  # fmt: skip
+
+
+def _request_log(args: argparse.Namespace) -> str | None:
+    if not args.log_requests:
+        return None
+    if args.log_requests_target == "stdout":
+        return "stdout"
+    folder = Path(args.log_requests_target)
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / f"requests-{args.port}.jsonl")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from mcore_rl.rollout.sglang.weight_session import WeightSessions, WeightUpdateC
 __all__ = ["AsyncSGLangClient", "SGLangClientConfig", "SGLangHTTPError"]
 log = logging.getLogger(__name__)
 Item = tuple[GenerationRequest, int, str]  # (request, sample index, SGLang rid)
+ROUTING_KEY_HEADER = "x-smg-routing-key"  # sglang-router (sgl-model-gateway) header read by its manual policy
 
 
 class AsyncSGLangClient(HTTPTransport, ControlCalls, WeightUpdateCalls):
@@ -151,8 +152,13 @@ class AsyncSGLangClient(HTTPTransport, ControlCalls, WeightUpdateCalls):
         return out  # type: ignore[return-value]
 
     async def _generate_one(self, item: Item) -> Sample:
+        """One sample through the router. A request whose metadata names a `routing_key` (an episode's turns carry
+        the episode's) sends it as `x-smg-routing-key`: sglang-router's `manual` policy sends every request with
+        the same key to the same worker, so an episode's growing prefix stays in one worker's cache."""
         payload = single_generate_payload(item, self.cfg.seeded)
-        out = await self.request("POST", self.cfg.router_url, "/generate", payload, self.cfg.timeout_s)
+        key = item[0].metadata.get("routing_key")
+        out = await self.request("POST", self.cfg.router_url, "/generate", payload, self.cfg.timeout_s,
+                                 headers={ROUTING_KEY_HEADER: str(key)} if key else None)  # fmt: skip
         if not isinstance(out, dict):
             raise ValueError(f"/generate at {self.cfg.router_url}: expected one result, got {str(out)[:200]}")
         return parse_sample(out, item[0], item[1], self.weight_version)

@@ -260,8 +260,8 @@ class ServerLauncher:
             self.servers.append(proc)
             self._spawn(proc)
         try:
-            for proc in self.servers:
-                self._wait_healthy(proc)
+            for i in range(len(self.servers)):
+                self._wait_healthy_rebinding(i)
             if cfg.router:
                 port = cfg.router_port or free_port(cfg.host)
                 cmd = self._fmt(cfg.router_command, worker_urls=self.worker_urls, port=port, host=cfg.host,
@@ -283,6 +283,20 @@ class ServerLauncher:
             self._monitor = threading.Thread(target=self._watch, name="rollout-launcher-monitor", daemon=True)
             self._monitor.start()
         return self
+
+    def _wait_healthy_rebinding(self, i: int, attempts: int = 3) -> None:
+        """Wait for server i; if another process took its free port before it bound it, start it on a new one."""
+        for attempt in range(attempts):
+            try:
+                return self._wait_healthy(self.servers[i])
+            except RuntimeError as exc:
+                lost = "address already in use" in str(exc).lower() and not self.cfg.base_port
+                if not lost or attempt == attempts - 1:
+                    raise
+                proc = self.plan()[i]  # the same server with another free port
+                log.warning("%s: port taken before it bound; starting it again at %s", proc.name, proc.url)
+                self.servers[i] = proc
+                self._spawn(proc)
 
     def _spawn(self, proc: _Proc) -> None:
         proc.log_file = open(proc.log_path, "ab")  # noqa: SIM115 -- lives as long as the process

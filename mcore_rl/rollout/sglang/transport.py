@@ -95,10 +95,12 @@ class HTTPTransport:
         payload: dict | None = None,
         timeout: float | None = None,
         retries: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """One HTTP call with retries (connection errors, 5xx) and backoff; 4xx raises at once.
 
         base: a URL, or a function picking one per attempt (so a retry can go to another worker).
+        headers: extra headers of this call (e.g. sglang-router's `x-smg-routing-key`).
         """
         if payload is not None:
             check_payload(endpoint, payload)
@@ -110,7 +112,10 @@ class HTTPTransport:
         for attempt in range(retries + 1):
             url = (base() if callable(base) else base) + endpoint
             try:
-                async with self._sem, session.request(method, url, json=payload, timeout=tmo) as resp:
+                async with (
+                    self._sem,
+                    session.request(method, url, json=payload, timeout=tmo, headers=headers) as resp,
+                ):
                     body = await resp.text()
                     if resp.status < 400:
                         return json.loads(body) if body.strip().startswith(("{", "[")) else body
