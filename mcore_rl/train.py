@@ -34,10 +34,13 @@ CONFIG_DIR = config_dir()
 
 
 def run_training(cfg: DictConfig) -> dict:
+    """The composed config, typed once (one-line errors before anything heavy), built, trained."""
+    from mcore_rl.config import load_config
+    from mcore_rl.trainer.build import build
     from mcore_rl.trainer.loop import train
-    from mcore_rl.trainer.run import Run
 
-    return train(Run(cfg))
+    components, state = build(load_config(cfg))
+    return train(components, state)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")

@@ -1,54 +1,47 @@
-"""Build every component of a run from the composed Hydra config; fail on bad config before any model exists."""
+"""What a run is built from, checked before any model exists: the model folder, its fit to the parallel layout,
+the network's build settings (with `model.dtype` resolved once), the preemption flag."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl import fsio
-from mcore_rl.config import ConfigError, OptimSettings, algorithm_spec, typed_group, validate
+from mcore_rl.config import ConfigError, MainConfig, ModelConfig
 from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
 from mcore_rl.models.moe_spec import validate_moe_parallel
-from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_parallel
+from mcore_rl.models.spec import BuildConfig, resolve_impl, validate_parallel
 from mcore_rl.policy.policy import PolicyConfig
 
-__all__ = ["ConfigError", "algorithm_spec", "validate_config"]  # ConfigError's home is mcore_rl.config (re-exported here)
 
-
-def validate_config(cfg: DictConfig) -> None:
-    """Cheap checks with one-line messages; the heavy objects are built only after these pass. The checks live in
-    the groups' dataclasses (mcore_rl/config/, `__post_init__`); this runs them all."""
-    validate(cfg)
-
-
-def build_config(cfg: DictConfig) -> BuildConfig:
-    m = cfg.model
-    return BuildConfig(dtype=m.dtype, transformer_impl=m.transformer_impl, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                       sequence_parallel=cfg.parallel.sequence_parallel, fp8=Fp8Config(**m.fp8),
-                       recompute_activations=m.recompute_activations, ep=cfg.parallel.ep,
+def build_config(cfg: MainConfig, dtype: str | None = None) -> BuildConfig:
+    """The network's build settings; `dtype` is the run's resolved model.dtype (None: as configured)."""
+    m, par = cfg.model, cfg.parallel
+    return BuildConfig(dtype=dtype or m.dtype, transformer_impl=m.transformer_impl, tp=par.tp, pp=par.pp,
+                       sequence_parallel=par.sequence_parallel, fp8=m.fp8,
+                       recompute_activations=m.recompute_activations, ep=par.ep,
                        moe_aux_loss_coeff=float(m.moe.aux_loss_coeff) if m.moe is not None else 0.0,
                        lm_head_fp32=m.lm_head_fp32, compile=m.compile)
 
 
-def policy_config(cfg: DictConfig) -> PolicyConfig:
-    return PolicyConfig(build=build_config(cfg), optim=typed_group(cfg, "optim", OptimSettings),
-                        decay_steps=max(1, cfg.trainer.steps), token_budget=cfg.trainer.token_budget,
-                        seed=int(cfg.seed))
+def policy_config(cfg: MainConfig, dtype: str | None = None) -> PolicyConfig:
+    return PolicyConfig(build=build_config(cfg, dtype), optim=cfg.optim, decay_steps=max(1, cfg.trainer.steps),
+                        token_budget=cfg.trainer.token_budget, seed=int(cfg.seed))
 
 
-def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
+def tiny_model_dir(tiny: Mapping[str, Any], cache: Path | None = None) -> Path:
     """A random tiny Llama with the SmolLM2 tokenizer, cached by its config hash (written atomically)."""
     from mcore_rl.models.smollm2 import DEFAULT_CACHE, materialize_smollm2
 
-    spec = OmegaConf.to_container(tiny, resolve=True)
+    spec = {str(k): v for k, v in tiny.items()}  # model.tiny: flat HF config fields
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     out = (cache or DEFAULT_CACHE) / f"tiny-{spec.get('model_type', 'llama')}-{key}"
     if (out / "config.json").is_file():
@@ -72,21 +65,21 @@ def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
     return out
 
 
-def resolve_model_dir(cfg: DictConfig) -> Path:
-    src = cfg.model.source
-    if src == "hf" or cfg.model.hf_path:
-        p = Path(cfg.model.hf_path)
+def resolve_model_dir(model: ModelConfig) -> Path:
+    src = model.source
+    if src == "hf" or model.hf_path:
+        p = Path(model.hf_path)
         if not (p / "config.json").is_file():
             raise ConfigError(f"model.hf_path={p} is not an HF model folder (no config.json)")
         return p
     if src == "tiny":
-        return tiny_model_dir(cfg.model.tiny)
+        return tiny_model_dir(model.tiny)
     from mcore_rl.models.smollm2 import materialize_smollm2
 
     return materialize_smollm2()  # atomic: concurrent ranks race safely
 
 
-def check_model_against_parallel(cfg: DictConfig, model_dir: Path) -> None:
+def check_model_against_parallel(cfg: MainConfig, model_dir: Path) -> None:
     hf = read_hf_config(model_dir)
     try:
         args = family_for(hf).args(hf)

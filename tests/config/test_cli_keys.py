@@ -102,13 +102,14 @@ def test_reward_keys_change_scores():
 
 # ---- model / optim / parallel: what the trainer's builders get -------------------------------------------------
 def test_model_optim_parallel_keys_reach_the_builders():
+    from mcore_rl.config import load_config
     from mcore_rl.trainer.setup import build_config, policy_config
 
-    cfg = compose(["model=tiny_moe", "model.source=tiny", "model.moe.aux_loss_coeff=0.01", "model.lm_head_fp32=true",
+    cfg = load_config(compose(["model=tiny_moe", "model.source=tiny", "model.moe.aux_loss_coeff=0.01", "model.lm_head_fp32=true",
                    "model.tiny.seed=3", "parallel.pp=1", "parallel.ep=1", "optim.lr=3e-4", "optim.min_lr=1e-5",
                    "optim.adam_beta1=0.8", "optim.adam_beta2=0.95", "optim.adam_eps=1e-6", "optim.weight_decay=0.1",
                    "optim.clip_grad=0.5", "optim.warmup_steps=2", "optim.decay_style=cosine",
-                   "optim.use_distributed_optimizer=true", "trainer.steps=7"])
+                   "optim.use_distributed_optimizer=true", "trainer.steps=7"]))
     b = build_config(cfg)
     assert (b.moe_aux_loss_coeff, b.lm_head_fp32, b.pp, b.ep) == (0.01, True, 1, 1)
     p = policy_config(cfg)
