@@ -15,7 +15,7 @@ tests/config/ fails on a yaml key no dataclass declares and on a declared field 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -106,6 +106,19 @@ def rollout_schema(cfg: DictConfig) -> type:
     return ROLLOUT_SCHEMAS[engine]
 
 
+def _refuse_undeclared(node: DictConfig, where: str) -> None:
+    """A key no schema declares (`+trainer.stpes=3` forces one past Hydra's struct check) is an error."""
+    schema = OmegaConf.get_type(node)
+    declared = {f.name for f in fields(schema)} if schema is not None and is_dataclass(schema) else None
+    for key in node.keys():
+        name = f"{where}.{key}" if where else str(key)
+        if declared is not None and key not in declared:
+            raise ConfigError(f"{name}: Key '{key}' not in '{schema.__name__}'")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _refuse_undeclared(child, name)
+
+
 def load_config(cfg: DictConfig) -> MainConfig:
     """The composed Hydra config as typed objects, converted once: every group's `__post_init__` check and the
     algorithm's ran, `algorithm.max_response_len: null` is the rollout's own cap (trainer.max_new_tokens).
@@ -115,6 +128,7 @@ def load_config(cfg: DictConfig) -> MainConfig:
     if stray:
         raise ConfigError(f"unknown top-level key(s) {stray}; known: {sorted(known)}")
     rollout_schema(cfg)
+    _refuse_undeclared(cfg, "")
     if OmegaConf.select(cfg, "algorithm.max_response_len", default=0) is None:  # the schema checks it on creation
         cfg = cfg.copy()
         cfg.algorithm.max_response_len = cfg.trainer.max_new_tokens

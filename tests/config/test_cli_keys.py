@@ -117,7 +117,7 @@ def test_model_optim_parallel_keys_reach_the_builders():
     assert (o.lr, o.min_lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad, o.warmup_steps,
             o.decay_style, o.use_distributed_optimizer, p.decay_steps) == (3e-4, 1e-5, 0.8, 0.95, 1e-6, 0.1, 0.5,
                                                                           2, "cosine", True, 7)
-    assert cfg.model.tiny.seed == 3
+    assert cfg.model.tiny["seed"] == 3
 
 
 # ---- the trainer: one CLI run ----------------------------------------------------------------------------------
