@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.config.checks import ConfigError, one_of, positive
+from mcore_rl.dtypes import SHORT_OR_LONG
 
 
 @dataclass
@@ -31,7 +32,7 @@ class LocalRolloutConfig:
         one_of("rollout.engine", self.engine, ("local",))
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"rollout.device={self.device!r}: expected auto, cpu, cuda or cuda:N")
-        one_of("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
+        one_of("rollout.dtype", self.dtype, ("auto", *SHORT_OR_LONG))
         one_of("rollout.sync_mode", self.sync_mode, ("tensor", "disk"))
         positive("rollout.max_batch_size", self.max_batch_size)
         positive("rollout.keep_versions", self.keep_versions)
