@@ -15,6 +15,7 @@ tests/config/ fails on a yaml key no dataclass declares and on a declared field 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -146,6 +147,11 @@ def validate(cfg: DictConfig) -> None:
     """Every check load_config runs, as one-line ConfigErrors (for tools that only check a config)."""
     load_config(cfg)
 
+
+if os.environ.get("MCORE_RL_CONFIG_READS"):  # the keys-read test's recorder (config/reads.py); off by default
+    from mcore_rl.config.reads import install_from_env
+
+    install_from_env()
 
 __all__ = [
     "ConfigError", "EvalConfig", "Fp8Config", "LoadCheckConfig", "LocalRolloutConfig", "LoggingConfig", "MainConfig",
