@@ -1,7 +1,7 @@
 """`rollout.*`: one schema per engine (hydra_conf/rollout/<engine>.yaml names its schema in its defaults list).
 
-Every key except the trainer's weight-sync keys (sync_mode, sync_dir, keep_versions, bucket_mb: read by
-trainer/run.py) is passed to the engine's constructor, so a key here is a constructor argument there.
+Every key except the trainer's weight-sync keys (sync_mode, sync_dir, keep_versions: read by trainer/weights.py)
+is passed to the engine's constructor (trainer/models.py), so a key here is a constructor argument there.
 """
 
 from __future__ import annotations
