@@ -6,7 +6,8 @@ every config dataclass so that each field read by running code is recorded once 
 Child processes inherit the variable, so torchrun ranks and launched servers record too. Without the variable
 nothing is patched.
 
-Not counted as reads: a class's own validation (`__post_init__` and what it calls), the generated `__repr__` /
+Not counted as reads: the declaring class's own validation (its `__post_init__` and what that calls; a subclass's
+`__post_init__` acting on an inherited field counts), the generated `__repr__` /
 `__eq__`, and copies made by dataclasses, copy, OmegaConf and Hydra (e.g. writing run.dir/config.yaml), and test
 code: a field counts only when product code looks at it. A field declared on a base class is recorded on the
 class that declares it, whichever subclass was read.
@@ -23,7 +24,6 @@ from pathlib import Path
 
 ENV = "MCORE_RL_CONFIG_READS"
 _NOT_READS = ("dataclasses", "copy", "omegaconf", "hydra", "tests")  # top-level packages of non-reading callers
-_VALIDATION = ("__post_init__", "__repr__", "__eq__")
 _lock = threading.Lock()
 _seen: set[str] = set()
 _patched: set[type] = set()
@@ -41,15 +41,19 @@ def declaring_class(cls: type, name: str) -> type:
     return cls
 
 
-def _counts(frame) -> bool:
-    """False for reads by validation, dataclass/OmegaConf machinery or tests (see the module docstring)."""
+def _counts(frame, owner: type) -> bool:
+    """False for reads by `owner`'s own validation (its `__post_init__` and what that calls; a subclass acting on
+    an inherited field in its `__post_init__` is a use), dataclass/OmegaConf machinery or tests."""
     caller = frame.f_globals.get("__name__", "")
     if caller.split(".")[0] in _NOT_READS or caller == __name__:
         return False
     for _ in range(4):  # validation helpers called from __post_init__
         if frame is None:
             break
-        if frame.f_code.co_name in _VALIDATION:
+        code = frame.f_code
+        if code.co_name in ("__repr__", "__eq__"):
+            return False
+        if code.co_name == "__post_init__" and code.co_qualname.split(".")[-2:-1] in ([owner.__qualname__], []):
             return False
         frame = frame.f_back
     return True
@@ -75,8 +79,10 @@ def patch(classes: Iterable[type], out_dir: Path) -> None:
         def getattribute(self, name, _names=names, _original=original, _cls=cls):
             # a patched subclass records through its own wrapper (this one then runs as its `_original`)
             mine = type(self) is _cls or type(self) not in _patched
-            if name in _names and mine and _counts(sys._getframe(1)):
-                _record(key(declaring_class(_cls, name), name), out_dir)
+            if name in _names and mine:
+                owner = declaring_class(_cls, name)
+                if _counts(sys._getframe(1), owner):
+                    _record(key(owner, name), out_dir)
             return _original(self, name)
 
         cls.__getattribute__ = getattribute

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from tests.config.keyscan import REPO, compose
@@ -242,3 +243,29 @@ def test_algorithm_keys_reach_the_built_algorithm(name):
             got = getattr(got, part)
         want = yaml.safe_load(value)
         assert got == (float(want) if isinstance(got, float) else want), (key, got)
+    loss = _one_update(alg)  # and the algorithm acts with them: every key is read on its update path
+    assert torch.isfinite(loss), (name, loss)
+
+
+def _one_update(alg) -> torch.Tensor:
+    """An update's algorithm calls on a small synthetic batch (two groups of two): advantages, token weights,
+    whole-batch statistics, the loss with every anchor it needs, accumulation and the post-step decision."""
+    from mcore_rl.algorithms import TokenBatch
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 5)
+    gid = torch.tensor([0, 0, 1, 1])
+    adv = alg.advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), gid, lengths=mask.sum(1))
+    logp = (-torch.rand(4, 5, generator=g)).requires_grad_()
+    near = logp.detach() + 0.05 * torch.randn(4, 5, generator=g)
+    alg.begin_step(logp.detach(), near, mask)
+    tb = TokenBatch(logp=logp, mask=mask, advantages=adv.advantages[:, None] * mask, rollout_logp=near,
+                    token_weight=alg.token_weights(mask, gid, keep=adv.keep),
+                    old_logp=near if alg.needs_old_logp else None, prox_logp=near if alg.needs_prox_logp else None,
+                    ref_logp=near if alg.needs_ref_logp else None,
+                    entropy=torch.rand(4, 5, generator=g) if alg.needs_entropy else None)
+    loss, metrics = alg.loss(tb)
+    loss.backward()
+    metrics.update(alg.finish_accumulation().metrics)
+    alg.after_optimizer_step(metrics)
+    return loss.detach()
