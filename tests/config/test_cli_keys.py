@@ -228,13 +228,22 @@ ALGORITHM_OVERRIDES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHM_OVERRIDES))
-def test_algorithm_keys_reach_the_built_algorithm(name):
+# keys only another mode reads: the same check on a second update path
+OTHER_PATHS = {
+    "grpo/mis": ("grpo", ["algorithm.correction.mode=mis", "algorithm.correction.low=0.3",
+                          "algorithm.correction.high=3.0"]),
+    "ppo_ewma/decoupled": ("ppo_ewma", ["algorithm.objective=decoupled", "algorithm.ti_tis_max=1.5"]),
+}
+CASES = {**{n: (n, o) for n, o in ALGORITHM_OVERRIDES.items()}, **OTHER_PATHS}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_algorithm_keys_reach_the_built_algorithm(case):
     import yaml
 
     from mcore_rl.algorithms import build_algorithm
 
-    overrides = ALGORITHM_OVERRIDES[name]
+    name, overrides = CASES[case]
     alg = build_algorithm(compose([f"algorithm={name}", *overrides]).algorithm)
     for o in overrides:
         key, value = o.split("=", 1)
