@@ -23,7 +23,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ENV = "MCORE_RL_CONFIG_READS"
-_NOT_READS = ("dataclasses", "copy", "omegaconf", "hydra", "tests")  # top-level packages of non-reading callers
+_NOT_READS = (
+    "dataclasses",
+    "copy",
+    "omegaconf",
+    "hydra",
+    "tests",
+)  # top-level packages of non-reading callers
 _lock = threading.Lock()
 _seen: set[str] = set()
 _patched: set[type] = set()
@@ -53,7 +59,10 @@ def _counts(frame, owner: type) -> bool:
         code = frame.f_code
         if code.co_name in ("__repr__", "__eq__"):
             return False
-        if code.co_name == "__post_init__" and code.co_qualname.split(".")[-2:-1] in ([owner.__qualname__], []):
+        if code.co_name == "__post_init__" and code.co_qualname.split(".")[-2:-1] in (
+            [owner.__qualname__],
+            [],
+        ):
             return False
         frame = frame.f_back
     return True
@@ -98,8 +107,14 @@ def config_classes() -> list[type]:
     from mcore_rl.rewards.format_reward import FormatConfig
     from mcore_rl.rewards.verifier import MathVerifyConfig
 
-    roots = [MainConfig, *ROLLOUT_SCHEMAS.values(), *(config_class(n) for n in registered_algorithms()),
-             *(k.config for k in DATASETS.values()), MathVerifyConfig, FormatConfig]
+    roots = [
+        MainConfig,
+        *ROLLOUT_SCHEMAS.values(),
+        *(config_class(n) for n in registered_algorithms()),
+        *(k.config for k in DATASETS.values()),
+        MathVerifyConfig,
+        FormatConfig,
+    ]
     out: list[type] = []
     while roots:
         cls = roots.pop()

@@ -48,17 +48,17 @@ class Components:
     policy: Policy
     algorithm: Algorithm
     schedule: Schedule
-    oldlogp: Any                    # mcore_rl.oldlogp source: the round's old log-probs
-    rounds: Rounds                  # generate + score (rank 0), broadcast
-    learner: Learner                # anchors + optimizer updates
-    weights: WeightSync             # new weights into the engine, versions to the old-log-prob source
+    oldlogp: Any  # mcore_rl.oldlogp source: the round's old log-probs
+    rounds: Rounds  # generate + score (rank 0), broadcast
+    learner: Learner  # anchors + optimizer updates
+    weights: WeightSync  # new weights into the engine, versions to the old-log-prob source
     evaluator: Evaluator
     checkpointer: Checkpointer
     runlog: RunLog
     prompts_log: PromptsLog
     stop: StopFlag
-    engine: Any = None              # rank 0
-    reward_fn: Any = None           # rank 0
+    engine: Any = None  # rank 0
+    reward_fn: Any = None  # rank 0
 
     def close(self) -> None:
         """Rank 0 at the end: rounds generated ahead that no update will consume, logs, reward workers, engine."""
@@ -100,17 +100,27 @@ def _distributed(cfg: MainConfig) -> Layout:
     log.warning(describe_groups())
     from megatron.core import parallel_state as ps
 
-    return Layout(layout.rank, layout.dp, ps.get_data_parallel_rank(),
-                  Path(broadcast_object(str(Path(cfg.run.dir).resolve()))))
+    return Layout(
+        layout.rank,
+        layout.dp,
+        ps.get_data_parallel_rank(),
+        Path(broadcast_object(str(Path(cfg.run.dir).resolve()))),
+    )
 
 
 def _prompt_source(cfg: MainConfig, model_dir: Path) -> Any:
     from mcore_rl.trainer.prompts import PromptSource
 
     t = cfg.trainer
-    return PromptSource(cfg.data, cfg.eval, model_dir, seed=cfg.seed, prompts_per_update=t.prompts_per_update,
-                        max_new_tokens=t.max_new_tokens,
-                        retire_pass_rate=cfg.algorithm.retire_pass_rate)
+    return PromptSource(
+        cfg.data,
+        cfg.eval,
+        model_dir,
+        seed=cfg.seed,
+        prompts_per_update=t.prompts_per_update,
+        max_new_tokens=t.max_new_tokens,
+        retire_pass_rate=cfg.algorithm.retire_pass_rate,
+    )
 
 
 def config_record(cfg: MainConfig, dtype: str) -> MainConfig:
@@ -140,14 +150,34 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         compute = ComputeMeter(model_flops(model_dir), world, torch.cuda.is_available())
     record = config_record(cfg, dtype)
-    runlog = RunLog(lay.run_dir, cfg.logging, cfg.trainer.steps, enabled=rank0, record=dataclasses.asdict(record))
+    runlog = RunLog(
+        lay.run_dir, cfg.logging, cfg.trainer.steps, enabled=rank0, record=dataclasses.asdict(record)
+    )
     state, stop = RunState(), StopFlag()
     stop.install()
-    schedule = sched_cls(ScheduleContext(cfg.algorithm, cfg.trainer, cfg.seed, deterministic, state, stop,
-                                         engine=engine, data=data))
+    schedule = sched_cls(
+        ScheduleContext(
+            cfg.algorithm, cfg.trainer, cfg.seed, deterministic, state, stop, engine=engine, data=data
+        )
+    )
     oldlogp = _oldlogp_source(cfg, model_dir, dtype, policy, engine, schedule.depth)
-    c = _assemble(cfg, lay, model_dir, algorithm, schedule, oldlogp, policy, ref, ewma, stop, runlog,
-                  engine=engine, reward_fn=reward_fn, data=data, compute=compute)
+    c = _assemble(
+        cfg,
+        lay,
+        model_dir,
+        algorithm,
+        schedule,
+        oldlogp,
+        policy,
+        ref,
+        ewma,
+        stop,
+        runlog,
+        engine=engine,
+        reward_fn=reward_fn,
+        data=data,
+        compute=compute,
+    )
     c.checkpointer.restore(state)
     if rank0:
         from omegaconf import OmegaConf
@@ -156,33 +186,114 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
     return c, state
 
 
-def _oldlogp_source(cfg: MainConfig, model_dir: Path, dtype: str, policy: Policy, engine: Any, depth: int) -> Any:
+def _oldlogp_source(
+    cfg: MainConfig, model_dir: Path, dtype: str, policy: Policy, engine: Any, depth: int
+) -> Any:
     from mcore_rl.oldlogp import SourceContext, build_source
     from mcore_rl.trainer.setup import policy_config
 
     ac = cfg.algorithm
-    return build_source(ac.old_logp_source, SourceContext(
-        policy=policy, temperature=cfg.trainer.temperature, staleness=depth, engine=engine,
-        make_policy=lambda: Policy(model_dir, policy_config(cfg, dtype), trainable=False),
-        audit_frac=ac.old_logp_audit_frac, seed=cfg.seed))
+    return build_source(
+        ac.old_logp_source,
+        SourceContext(
+            policy=policy,
+            temperature=cfg.trainer.temperature,
+            staleness=depth,
+            engine=engine,
+            make_policy=lambda: Policy(model_dir, policy_config(cfg, dtype), trainable=False),
+            audit_frac=ac.old_logp_audit_frac,
+            seed=cfg.seed,
+        ),
+    )
 
 
-def _assemble(cfg: MainConfig, lay: Layout, model_dir: Path, algorithm: Algorithm, schedule: Schedule,
-              oldlogp: Any, policy: Policy, ref: Any, ewma: Any, stop: StopFlag, runlog: RunLog,
-              engine: Any, reward_fn: Any, data: Any, compute: Any) -> Components:
+def _assemble(
+    cfg: MainConfig,
+    lay: Layout,
+    model_dir: Path,
+    algorithm: Algorithm,
+    schedule: Schedule,
+    oldlogp: Any,
+    policy: Policy,
+    ref: Any,
+    ewma: Any,
+    stop: StopFlag,
+    runlog: RunLog,
+    engine: Any,
+    reward_fn: Any,
+    data: Any,
+    compute: Any,
+) -> Components:
     t = cfg.trainer
     passes = int(algorithm.needs_old_logp) + int(ref is not None) + int(ewma is not None)
-    rounds = Rounds(schedule, lay.rank, t.samples_per_prompt, t.prompts_per_update, cfg.algorithm, data=data,
-                    reward_fn=reward_fn, compute=compute, engine=engine, scoring_passes=passes)
+    rounds = Rounds(
+        schedule,
+        lay.rank,
+        t.samples_per_prompt,
+        t.prompts_per_update,
+        cfg.algorithm,
+        data=data,
+        reward_fn=reward_fn,
+        compute=compute,
+        engine=engine,
+        scoring_passes=passes,
+    )
     prompts_log = PromptsLog(lay.run_dir / "prompts.jsonl", enabled=lay.rank == 0)
-    learner = Learner(policy, algorithm, oldlogp, NonFiniteGuard(max_consecutive=t.max_nonfinite_skips),
-                      t.temperature, lay.dp, lay.dp_rank, prompts_log, ref=ref, ewma=ewma)
-    weights = WeightSync(policy, engine, cfg.rollout.sync_mode, sync_options(cfg.rollout, model_dir),
-                         t.sync_weights, oldlogp, schedule.finished_samples if lay.rank == 0 else None)
-    evaluator = Evaluator(cfg.eval, lay.run_dir, runlog, engine=engine, reward_fn=reward_fn, data=data,
-                          compute=compute)
-    checkpointer = Checkpointer(lay.run_dir, t, lay.rank, policy, algorithm, schedule, oldlogp, weights,
-                                ewma=ewma, data=data, compute=compute, from_mcore_ckpt=bool(cfg.model.mcore_ckpt))
-    return Components(t, lay.rank, lay.run_dir, model_dir, policy, algorithm, schedule, oldlogp, rounds, learner,
-                      weights, evaluator, checkpointer, runlog, prompts_log, stop, engine=engine,
-                      reward_fn=reward_fn)
+    learner = Learner(
+        policy,
+        algorithm,
+        oldlogp,
+        NonFiniteGuard(max_consecutive=t.max_nonfinite_skips),
+        t.temperature,
+        lay.dp,
+        lay.dp_rank,
+        prompts_log,
+        ref=ref,
+        ewma=ewma,
+    )
+    weights = WeightSync(
+        policy,
+        engine,
+        cfg.rollout.sync_mode,
+        sync_options(cfg.rollout, model_dir),
+        t.sync_weights,
+        oldlogp,
+        schedule.finished_samples if lay.rank == 0 else None,
+    )
+    evaluator = Evaluator(
+        cfg.eval, lay.run_dir, runlog, engine=engine, reward_fn=reward_fn, data=data, compute=compute
+    )
+    checkpointer = Checkpointer(
+        lay.run_dir,
+        t,
+        lay.rank,
+        policy,
+        algorithm,
+        schedule,
+        oldlogp,
+        weights,
+        ewma=ewma,
+        data=data,
+        compute=compute,
+        from_mcore_ckpt=bool(cfg.model.mcore_ckpt),
+    )
+    return Components(
+        t,
+        lay.rank,
+        lay.run_dir,
+        model_dir,
+        policy,
+        algorithm,
+        schedule,
+        oldlogp,
+        rounds,
+        learner,
+        weights,
+        evaluator,
+        checkpointer,
+        runlog,
+        prompts_log,
+        stop,
+        engine=engine,
+        reward_fn=reward_fn,
+    )

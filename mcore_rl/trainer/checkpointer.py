@@ -28,9 +28,21 @@ class Checkpointer:
     """`data`, `compute` exist on rank 0 only (None elsewhere); `ewma` only for PPO-EWMA. `from_mcore_ckpt`: the
     policy started from a Megatron checkpoint (model.mcore_ckpt), so the engine must be given those weights."""
 
-    def __init__(self, run_dir: Path, settings: TrainerConfig, rank: int, policy: Any, algorithm: Any,
-                 schedule: Any, oldlogp: Any, weights: WeightSync, ewma: Any = None, data: Any = None,
-                 compute: Any = None, from_mcore_ckpt: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        settings: TrainerConfig,
+        rank: int,
+        policy: Any,
+        algorithm: Any,
+        schedule: Any,
+        oldlogp: Any,
+        weights: WeightSync,
+        ewma: Any = None,
+        data: Any = None,
+        compute: Any = None,
+        from_mcore_ckpt: bool = False,
+    ) -> None:
         self.run_dir, self.root, self.settings, self.rank = run_dir, run_dir / "checkpoints", settings, rank
         self.policy, self.algorithm, self.schedule, self.oldlogp = policy, algorithm, schedule, oldlogp
         self.weights, self.ewma, self.data, self.compute = weights, ewma, data, compute
@@ -41,15 +53,24 @@ class Checkpointer:
         weights, and on rank 0 the schedule's in-flight rounds (large: prompt ids, seeds, finished samples)."""
         meta = state.saved()
         if self.rank == 0:
-            meta.update(data=self.data.state_dict(), algorithm=self.algorithm.state_dict(),
-                        compute=self.compute.state_dict())
+            meta.update(
+                data=self.data.state_dict(),
+                algorithm=self.algorithm.state_dict(),
+                compute=self.compute.state_dict(),
+            )
         extra: dict[str, Any] = {"ewma": self.ewma.state_dict()} if self.ewma is not None else {}
         if self.rank == 0:
             extra["schedule"] = self.schedule.state_dict()
         if self.oldlogp.state_dict():  # stored weight versions of the samples still in flight
             extra["oldlogp"] = self.oldlogp.state_dict()
-        return save_checkpoint(self.root, state.update, self.policy, broadcast_object(meta), rank_extra=extra,
-                               keep=self.settings.keep_checkpoints)
+        return save_checkpoint(
+            self.root,
+            state.update,
+            self.policy,
+            broadcast_object(meta),
+            rank_extra=extra,
+            keep=self.settings.keep_checkpoints,
+        )
 
     def maybe_save(self, state: RunState, updates_this_round: int, stopping: bool) -> None:
         """After a round: when it crossed a multiple of trainer.save_every, or a stop was requested."""
@@ -65,7 +86,9 @@ class Checkpointer:
         if (preempted or state.update > 0) and latest_update(self.root) != state.update:
             self.save(state)
         if preempted and self.rank == 0:
-            (self.run_dir / "PREEMPTED").write_text(json.dumps({"update": state.update, "signals": stop_signals}))
+            (self.run_dir / "PREEMPTED").write_text(
+                json.dumps({"update": state.update, "signals": stop_signals})
+            )
 
     def restore(self, state: RunState) -> None:
         """Continue from the newest verified checkpoint (trainer.resume=auto) or start fresh; then the engine
@@ -90,7 +113,9 @@ class Checkpointer:
         if ckpt is not None or self.from_mcore_ckpt:
             self.weights.reload(state.version)
         if self.rank == 0:
-            if extra.get("schedule"):  # after the reload: requests still to generate use the checkpoint's weights
+            if extra.get(
+                "schedule"
+            ):  # after the reload: requests still to generate use the checkpoint's weights
                 self.schedule.load_state_dict(extra["schedule"])
             (self.run_dir / "PREEMPTED").unlink(missing_ok=True)
         if extra.get("oldlogp"):  # the versions restored in-flight samples were generated with

@@ -19,8 +19,16 @@ log = logging.getLogger("mcore_rl")
 
 
 class Evaluator:
-    def __init__(self, settings: EvalConfig, run_dir: Path, runlog: RunLog, engine: Any = None, reward_fn: Any = None,
-                 data: Any = None, compute: Any = None) -> None:
+    def __init__(
+        self,
+        settings: EvalConfig,
+        run_dir: Path,
+        runlog: RunLog,
+        engine: Any = None,
+        reward_fn: Any = None,
+        data: Any = None,
+        compute: Any = None,
+    ) -> None:
         self.settings, self.run_dir, self.runlog = settings, run_dir, runlog
         self.engine, self.reward_fn, self.data, self.compute = engine, reward_fn, data, compute
 
@@ -40,13 +48,29 @@ class Evaluator:
     def _run(self, update: int) -> None:
         e = self.settings
         t0, c0 = time.perf_counter(), time.process_time()
-        m = evaluate_sets(self.engine, self.reward_fn, self.data.eval_sets(self.reward_fn), e.samples_per_prompt,
-                          e.temperature, e.max_new_tokens, e.seed, self.data.stop_token_ids)
+        m = evaluate_sets(
+            self.engine,
+            self.reward_fn,
+            self.data.eval_sets(self.reward_fn),
+            e.samples_per_prompt,
+            e.temperature,
+            e.max_new_tokens,
+            e.seed,
+            self.data.stop_token_ids,
+        )
         m["time_eval"] = time.perf_counter() - t0
         self.compute.add_eval_time(m["time_eval"], time.process_time() - c0)
         m.update(self.compute.record())
         self.runlog.log_eval(update, m)
         with (self.run_dir / "eval_prompts.jsonl").open("a") as f:  # the lists the metrics logger drops
-            f.write(json.dumps({"step": update, **{k: v for k, v in m.items() if isinstance(v, list)}}) + "\n")
-        log.warning("eval @ update %d: mean@%d=%.3f pass@%d=%.3f", update, e.samples_per_prompt, m["mean_at_k"],
-                    e.samples_per_prompt, m["pass_at_k"])
+            f.write(
+                json.dumps({"step": update, **{k: v for k, v in m.items() if isinstance(v, list)}}) + "\n"
+            )
+        log.warning(
+            "eval @ update %d: mean@%d=%.3f pass@%d=%.3f",
+            update,
+            e.samples_per_prompt,
+            m["mean_at_k"],
+            e.samples_per_prompt,
+            m["pass_at_k"],
+        )

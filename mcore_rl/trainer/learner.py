@@ -23,8 +23,19 @@ class Learner:
     """`ref`: the frozen reference policy (KL); `ewma`: PPO-EWMA's proximal weights; `oldlogp`: the old-log-prob
     source (mcore_rl/oldlogp) the algorithm's `old_logp_source` names."""
 
-    def __init__(self, policy: Any, algorithm: Algorithm, oldlogp: Any, guard: NonFiniteGuard, temperature: float,
-                 dp: int, dp_rank: int, prompts_log: PromptsLog, ref: Any = None, ewma: Any = None) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        algorithm: Algorithm,
+        oldlogp: Any,
+        guard: NonFiniteGuard,
+        temperature: float,
+        dp: int,
+        dp_rank: int,
+        prompts_log: PromptsLog,
+        ref: Any = None,
+        ewma: Any = None,
+    ) -> None:
         self.policy, self.algorithm, self.oldlogp, self.guard = policy, algorithm, oldlogp, guard
         self.temperature, self.dp, self.dp_rank, self.prompts_log = temperature, dp, dp_rank, prompts_log
         self.ref, self.ewma = ref, ewma
@@ -45,17 +56,40 @@ class Learner:
             logp = self.policy.logprobs(rb.policy_batch(), self.temperature)
         return _last_stage(logp, rb)
 
-    def update(self, rb: RolloutBatch, adv: Any, anchors: dict[str, torch.Tensor], u: int, n_up: int,
-               update_index: int, round_index: int, prompt_ids: list[str]) -> dict[str, float]:
+    def update(
+        self,
+        rb: RolloutBatch,
+        adv: Any,
+        anchors: dict[str, torch.Tensor],
+        u: int,
+        n_up: int,
+        update_index: int,
+        round_index: int,
+        prompt_ids: list[str],
+    ) -> dict[str, float]:
         """Optimizer update `u` of the round's `n_up` (`update_index`, 1-based, names it in logs and prompts.jsonl)."""
         rows = update_rows(rb.group_ids, n_up, u, self.dp, self.dp_rank)
         part = {k: v[rows] for k, v in anchors.items()}
         t0 = time.perf_counter()
         if self.ewma is not None:
             part["prox_logp"] = self._prox_logp(rb.select(rows))
-        metrics = run_update(self.policy, self.algorithm, rb.select(rows), adv.advantages[rows], adv.keep[rows],
-                             part, self.temperature, self.ewma, guard=self.guard, update_index=update_index)
+        metrics = run_update(
+            self.policy,
+            self.algorithm,
+            rb.select(rows),
+            adv.advantages[rows],
+            adv.keep[rows],
+            part,
+            self.temperature,
+            self.ewma,
+            guard=self.guard,
+            update_index=update_index,
+        )
         metrics["time_train"] = time.perf_counter() - t0
-        per = -(-len(set(rb.group_ids.tolist())) // n_up)  # which prompts it trained on: resumes compare these
-        self.prompts_log.log(update_index, {"round": round_index, "prompt_ids": prompt_ids[u * per:(u + 1) * per]})
+        per = -(
+            -len(set(rb.group_ids.tolist())) // n_up
+        )  # which prompts it trained on: resumes compare these
+        self.prompts_log.log(
+            update_index, {"round": round_index, "prompt_ids": prompt_ids[u * per : (u + 1) * per]}
+        )
         return metrics

@@ -49,7 +49,9 @@ def train(c: Components, state: RunState) -> dict[str, float]:
         for u in range(n_up):
             state.update += 1
             last = c.learner.update(rb, adv, anchors, u, n_up, state.update, state.round, rnd.prompt_ids)
-            last.update({k: v / n_up for k, v in times.items() if k != "time_switch"})  # spread over the round
+            last.update(
+                {k: v / n_up for k, v in times.items() if k != "time_switch"}
+            )  # spread over the round
             last.update(rollout_metrics)
             last.update({"adv_" + k: v for k, v in adv.metrics.items()})
             last["zero_variance_groups_dropped"] = float(adv.num_zero_variance_groups)

@@ -17,7 +17,9 @@ from mcore_rl.trainer.setup import ConfigError, policy_config
 log = logging.getLogger("mcore_rl")
 
 
-def load_policies(cfg: MainConfig, model_dir: Path, dtype: str, algorithm: Algorithm) -> tuple[Policy, Any, Any]:
+def load_policies(
+    cfg: MainConfig, model_dir: Path, dtype: str, algorithm: Algorithm
+) -> tuple[Policy, Any, Any]:
     """(policy, ref or None, ewma or None), initial weights loaded (model.mcore_ckpt or the HF folder)."""
     from mcore_rl.checkpoint_io import load_dist_checkpoint
 
@@ -46,8 +48,10 @@ def _load_check(policy: Policy, model_dir: Path, lc: Any, from_hf: bool) -> None
     res = run_load_check(policy, model_dir, lc, from_hf=from_hf)
     log.warning(res.line(lc.tol))
     if res.ran and not res.max_abs_diff <= lc.tol:
-        raise ConfigError(f"{res.line(lc.tol)}: the {policy.args.architecture} adapter's weight mapping "
-                          f"does not reproduce {model_dir}; refusing to train")
+        raise ConfigError(
+            f"{res.line(lc.tol)}: the {policy.args.architecture} adapter's weight mapping "
+            f"does not reproduce {model_dir}; refusing to train"
+        )
 
 
 def as_kwargs(settings: Any) -> dict[str, Any]:
@@ -60,8 +64,9 @@ def as_kwargs(settings: Any) -> dict[str, Any]:
     return out
 
 
-def make_engine(rollout: Any, schedule_cls: type, model_dir: Path, dtype: str, deterministic: bool,
-                seed: int) -> Any:
+def make_engine(
+    rollout: Any, schedule_cls: type, model_dir: Path, dtype: str, deterministic: bool, seed: int
+) -> Any:
     """Rank 0's engine. Every rollout setting but the trainer's weight-sync keys is a constructor argument of
     the engine `rollout.engine` names; the schedule may adjust them (staged: SGLang's memory saver)."""
     from mcore_rl.policy.precision import engine_dtype
@@ -73,11 +78,17 @@ def make_engine(rollout: Any, schedule_cls: type, model_dir: Path, dtype: str, d
     name = options.pop("engine")
     for key in TRAINER_KEYS:
         options.pop(key, None)
-    options = engine_determinism(schedule_cls.engine_options(options), deterministic)  # seeded for a determ. run
+    options = engine_determinism(
+        schedule_cls.engine_options(options), deterministic
+    )  # seeded for a determ. run
     if "dtype" in options:  # auto: the engine runs in the trainer's (resolved) dtype
         options["dtype"] = engine_dtype(options["dtype"], dtype)
     engine = build_engine(name, model_path=str(model_dir), seed=seed, **options)
     if options.get("worker_urls"):
-        log.warning("rollout engine %s: /generate via %s; weight updates and control calls to %s", name,
-                    options.get("router_url") or "the workers", ", ".join(options["worker_urls"]))
+        log.warning(
+            "rollout engine %s: /generate via %s; weight updates and control calls to %s",
+            name,
+            options.get("router_url") or "the workers",
+            ", ".join(options["worker_urls"]),
+        )
     return engine

@@ -11,8 +11,14 @@ from mcore_rl.logging import MetricsLogger, memory_gb, plot_run
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, settings: LoggingConfig, total_updates: int, enabled: bool,
-                 record: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        settings: LoggingConfig,
+        total_updates: int,
+        enabled: bool,
+        record: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir, self.settings, self.total, self.enabled = run_dir, settings, total_updates, enabled
         self.logger = MetricsLogger(run_dir, settings, enabled=enabled, config=record)
         self.last_heldout: float | None = None

@@ -19,8 +19,16 @@ from mcore_rl.trainer.state import RunState
 class WeightSync:
     """`enabled` (trainer.sync_weights) false: the engine keeps its initial weights and the version stays 0."""
 
-    def __init__(self, policy: Any, engine: Any, mode: str, options: SyncOptions, enabled: bool, oldlogp: Any,
-                 finished: Callable[[], list] | None) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        engine: Any,
+        mode: str,
+        options: SyncOptions,
+        enabled: bool,
+        oldlogp: Any,
+        finished: Callable[[], list] | None,
+    ) -> None:
         self.policy, self.engine, self.mode, self.options = policy, engine, mode, options
         self.enabled, self.oldlogp, self.finished = enabled, oldlogp, finished
 
@@ -47,4 +55,6 @@ def sync_options(rollout: LocalRolloutConfig | SGLangRolloutConfig, model_dir: P
     """The trainer's side of weight sync from the rollout settings (bucket_mb: SGLang's tensor/nccl payloads;
     the embedded engine copies tensors in memory, unbucketed)."""
     extra = {"bucket_mb": rollout.bucket_mb} if isinstance(rollout, SGLangRolloutConfig) else {}
-    return SyncOptions(sync_dir=rollout.sync_dir, config_dir=model_dir, keep_versions=rollout.keep_versions, **extra)
+    return SyncOptions(
+        sync_dir=rollout.sync_dir, config_dir=model_dir, keep_versions=rollout.keep_versions, **extra
+    )

@@ -50,10 +50,22 @@ def _exempt(cls: type, name: str) -> bool:
 
 def _trainer_run(run_dir: Path) -> None:
     """One short trainer CLI run (recorded through the inherited MCORE_RL_CONFIG_READS)."""
-    cmd = [sys.executable, "-m", "mcore_rl.train", "model=tiny", "trainer.steps=1", "trainer.prompts_per_update=2",
-           "trainer.samples_per_prompt=2", "trainer.max_new_tokens=4", "eval.num_prompts=2",
-           "eval.samples_per_prompt=2", "eval.max_new_tokens=4", "logging.progress=false", "logging.plot=false",
-           f"run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mcore_rl.train",
+        "model=tiny",
+        "trainer.steps=1",
+        "trainer.prompts_per_update=2",
+        "trainer.samples_per_prompt=2",
+        "trainer.max_new_tokens=4",
+        "eval.num_prompts=2",
+        "eval.samples_per_prompt=2",
+        "eval.max_new_tokens=4",
+        "logging.progress=false",
+        "logging.plot=false",
+        f"run.dir={run_dir}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -106,7 +118,8 @@ CLI_EXEMPT = {
 def _covered(key: str, tested: set[str]) -> bool:
     parts = key.split(".")
     return any(".".join(parts[:i]) in tested for i in range(1, len(parts) + 1)) or any(
-        t.startswith(key + ".") for t in tested)  # a dict-valued key (model.tiny) set entry by entry
+        t.startswith(key + ".") for t in tested
+    )  # a dict-valued key (model.tiny) set entry by entry
 
 
 def test_every_composed_key_is_set_through_the_cli_in_a_test():
