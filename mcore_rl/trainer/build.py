@@ -134,52 +134,29 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
     model_dir = resolve_model_dir(cfg.model)
     check_model_against_parallel(cfg, model_dir)
     lay = _distributed(cfg)
-    rank0 = lay.rank == 0
     algorithm = build_algorithm(cfg.algorithm)
     sched_cls = schedule_class(cfg.algorithm.schedule)
-    data = _prompt_source(cfg, model_dir) if rank0 else None
+    data = _prompt_source(cfg, model_dir) if lay.rank == 0 else None  # before the model: data errors fail fast
     dtype = resolve_dtype(cfg.model.dtype)  # auto -> measured once; every part below gets the resolved value
-    policy, ref, ewma = load_policies(cfg, model_dir, dtype, algorithm)
-    engine = reward_fn = compute = None
-    if rank0:
+    p = _Parts(*load_policies(cfg, model_dir, dtype, algorithm), engine=None, reward_fn=None, data=data, compute=None)
+    if lay.rank == 0:
         from mcore_rl.evaluation.compute import ComputeMeter, model_flops
         from mcore_rl.rewards import build_reward
 
-        engine = make_engine(cfg.rollout, sched_cls, model_dir, dtype, deterministic, cfg.seed)
-        reward_fn = build_reward(cfg.reward)
+        p.engine = make_engine(cfg.rollout, sched_cls, model_dir, dtype, deterministic, cfg.seed)
+        p.reward_fn = build_reward(cfg.reward)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        compute = ComputeMeter(model_flops(model_dir), world, torch.cuda.is_available())
+        p.compute = ComputeMeter(model_flops(model_dir), world, torch.cuda.is_available())
     record = config_record(cfg, dtype)
-    runlog = RunLog(
-        lay.run_dir, cfg.logging, cfg.trainer.steps, enabled=rank0, record=dataclasses.asdict(record)
-    )
+    runlog = RunLog(lay.run_dir, cfg.logging, cfg.trainer.steps, lay.rank == 0, dataclasses.asdict(record))
     state, stop = RunState(), StopFlag()
     stop.install()
-    schedule = sched_cls(
-        ScheduleContext(
-            cfg.algorithm, cfg.trainer, cfg.seed, deterministic, state, stop, engine=engine, data=data
-        )
-    )
-    oldlogp = _oldlogp_source(cfg, model_dir, dtype, policy, engine, schedule.depth)
-    c = _assemble(
-        cfg,
-        lay,
-        model_dir,
-        algorithm,
-        schedule,
-        oldlogp,
-        policy,
-        ref,
-        ewma,
-        stop,
-        runlog,
-        engine=engine,
-        reward_fn=reward_fn,
-        data=data,
-        compute=compute,
-    )
+    ctx = ScheduleContext(cfg.algorithm, cfg.trainer, cfg.seed, deterministic, state, stop, p.engine, data)
+    schedule = sched_cls(ctx)
+    oldlogp = _oldlogp_source(cfg, model_dir, dtype, p.policy, p.engine, schedule.depth)
+    c = _assemble(cfg, lay, model_dir, algorithm, schedule, oldlogp, p, stop, runlog)
     c.checkpointer.restore(state)
-    if rank0:
+    if lay.rank == 0:
         from omegaconf import OmegaConf
 
         (lay.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(record)))
@@ -207,93 +184,47 @@ def _oldlogp_source(
     )
 
 
-def _assemble(
-    cfg: MainConfig,
-    lay: Layout,
-    model_dir: Path,
-    algorithm: Algorithm,
-    schedule: Schedule,
-    oldlogp: Any,
-    policy: Policy,
-    ref: Any,
-    ewma: Any,
-    stop: StopFlag,
-    runlog: RunLog,
-    engine: Any,
-    reward_fn: Any,
-    data: Any,
-    compute: Any,
-) -> Components:
+@dataclass
+class _Parts:
+    """The pieces several components share; the rank-0 ones (engine, reward, data, compute) are None elsewhere."""
+
+    policy: Policy
+    ref: Any
+    ewma: Any
+    engine: Any
+    reward_fn: Any
+    data: Any
+    compute: Any
+
+
+def _round_parts(
+    cfg: MainConfig, lay: Layout, algorithm: Algorithm, schedule: Schedule, oldlogp: Any, p: _Parts
+) -> tuple[Rounds, Learner, PromptsLog]:
     t = cfg.trainer
-    passes = int(algorithm.needs_old_logp) + int(ref is not None) + int(ewma is not None)
-    rounds = Rounds(
-        schedule,
-        lay.rank,
-        t.samples_per_prompt,
-        t.prompts_per_update,
-        cfg.algorithm,
-        data=data,
-        reward_fn=reward_fn,
-        compute=compute,
-        engine=engine,
-        scoring_passes=passes,
-    )
+    passes = int(algorithm.needs_old_logp) + int(p.ref is not None) + int(p.ewma is not None)
+    rounds = Rounds(schedule, lay.rank, t.samples_per_prompt, t.prompts_per_update, cfg.algorithm, data=p.data,
+                    reward_fn=p.reward_fn, compute=p.compute, engine=p.engine, scoring_passes=passes)  # fmt: skip
     prompts_log = PromptsLog(lay.run_dir / "prompts.jsonl", enabled=lay.rank == 0)
-    learner = Learner(
-        policy,
-        algorithm,
-        oldlogp,
-        NonFiniteGuard(max_consecutive=t.max_nonfinite_skips),
-        t.temperature,
-        lay.dp,
-        lay.dp_rank,
-        prompts_log,
-        ref=ref,
-        ewma=ewma,
-    )
-    weights = WeightSync(
-        policy,
-        engine,
-        cfg.rollout.sync_mode,
-        sync_options(cfg.rollout, model_dir),
-        t.sync_weights,
-        oldlogp,
-        schedule.finished_samples if lay.rank == 0 else None,
-    )
-    evaluator = Evaluator(
-        cfg.eval, lay.run_dir, runlog, engine=engine, reward_fn=reward_fn, data=data, compute=compute
-    )
-    checkpointer = Checkpointer(
-        lay.run_dir,
-        t,
-        lay.rank,
-        policy,
-        algorithm,
-        schedule,
-        oldlogp,
-        weights,
-        ewma=ewma,
-        data=data,
-        compute=compute,
-        from_mcore_ckpt=bool(cfg.model.mcore_ckpt),
-    )
-    return Components(
-        t,
-        lay.rank,
-        lay.run_dir,
-        model_dir,
-        policy,
-        algorithm,
-        schedule,
-        oldlogp,
-        rounds,
-        learner,
-        weights,
-        evaluator,
-        checkpointer,
-        runlog,
-        prompts_log,
-        stop,
-        engine=engine,
-        reward_fn=reward_fn,
-    )
+    guard = NonFiniteGuard(max_consecutive=t.max_nonfinite_skips)
+    learner = Learner(p.policy, algorithm, oldlogp, guard, t.temperature, lay.dp, lay.dp_rank, prompts_log,
+                      ref=p.ref, ewma=p.ewma)  # fmt: skip
+    return rounds, learner, prompts_log
+
+
+def _assemble(
+    cfg: MainConfig, lay: Layout, model_dir: Path, algorithm: Algorithm, schedule: Schedule, oldlogp: Any,
+    p: _Parts, stop: StopFlag, runlog: RunLog,
+) -> Components:  # fmt: skip
+    t = cfg.trainer
+    rounds, learner, prompts_log = _round_parts(cfg, lay, algorithm, schedule, oldlogp, p)
+    finished = schedule.finished_samples if lay.rank == 0 else None
+    weights = WeightSync(p.policy, p.engine, cfg.rollout.sync_mode, sync_options(cfg.rollout, model_dir),
+                         t.sync_weights, oldlogp, finished)  # fmt: skip
+    evaluator = Evaluator(cfg.eval, lay.run_dir, runlog, engine=p.engine, reward_fn=p.reward_fn, data=p.data,
+                          compute=p.compute)  # fmt: skip
+    checkpointer = Checkpointer(lay.run_dir, t, lay.rank, p.policy, algorithm, schedule, oldlogp, weights,
+                                ewma=p.ewma, data=p.data, compute=p.compute,
+                                from_mcore_ckpt=bool(cfg.model.mcore_ckpt))  # fmt: skip
+    return Components(t, lay.rank, lay.run_dir, model_dir, p.policy, algorithm, schedule, oldlogp, rounds, learner,
+                      weights, evaluator, checkpointer, runlog, prompts_log, stop, engine=p.engine,
+                      reward_fn=p.reward_fn)  # fmt: skip
