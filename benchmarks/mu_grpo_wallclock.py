@@ -21,16 +21,17 @@ PHASES = ("time_generate", "time_reward", "time_old_logp", "time_train", "time_s
 def run(name: str, overrides: list[str]) -> tuple[float, dict[str, float]]:
     from hydra import compose, initialize_config_dir
 
+    from mcore_rl.config import load_config
     from mcore_rl.train import CONFIG_DIR
+    from mcore_rl.trainer.build import build
     from mcore_rl.trainer.loop import train
-    from mcore_rl.trainer.run import Run
 
     run_dir = scratch_dir(f"mu_bench_{name}_")
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*overrides, f"run.dir={run_dir}"])
-    r = Run(cfg)  # model build, weight load and the baseline are outside the timed loop
+        cfg = load_config(compose(config_name="config", overrides=[*overrides, f"run.dir={run_dir}"]))
+    components, state = build(cfg)  # model build and weight load are outside the timed loop
     t0 = time.perf_counter()
-    train(r)
+    train(components, state)
     wall = time.perf_counter() - t0
     from mcore_rl.distributed import destroy_distributed
 

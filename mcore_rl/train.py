@@ -16,28 +16,25 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from mcore_rl.config import register_configs  # noqa: E402
+from mcore_rl.config.paths import CONFIG_DIR  # noqa: E402  (re-exported: tests and benchmarks compose with it)
 
 register_configs()  # the schemas hydra_conf/ names in its defaults lists (mcore_rl/config/)
+if os.environ.get("MCORE_RL_CONFIG_READS"):  # the keys-read test's recorder (mcore_rl/config_reads.py); off by default
+    from mcore_rl.config_reads import install_from_env
+
+    install_from_env()
 
 
-def config_dir() -> str:
-    """The packaged configs (`mcore_rl/hydra_conf` in a wheel) or, in a source checkout, the repo's hydra_conf/.
-    Users add their own config folders through Hydra's search path: `hydra.searchpath=[file:///my/confs]`."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, "hydra_conf"), os.path.join(os.path.dirname(here), "hydra_conf")):
-        if os.path.isfile(os.path.join(path, "config.yaml")):
-            return path
-    raise SystemExit(f"mcore-rl: no hydra_conf/config.yaml next to {here}; reinstall the package")
-
-
-CONFIG_DIR = config_dir()
 
 
 def run_training(cfg: DictConfig) -> dict:
+    """The composed config, typed once (one-line errors before anything heavy), built, trained."""
+    from mcore_rl.config import load_config
+    from mcore_rl.trainer.build import build
     from mcore_rl.trainer.loop import train
-    from mcore_rl.trainer.run import Run
 
-    return train(Run(cfg))
+    components, state = build(load_config(cfg))
+    return train(components, state)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")

@@ -15,7 +15,7 @@ tests/config/ fails on a yaml key no dataclass declares and on a declared field 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -48,8 +48,8 @@ class MainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    rollout: Any = None     # typed by /schema/rollout/<engine> from the rollout yaml's defaults list
-    algorithm: Any = None   # typed by /schema/algorithm/<name>; built (and validated) by build_algorithm
+    rollout: Any = None     # LocalRolloutConfig | SGLangRolloutConfig: /schema/rollout/<engine> (rollout yaml)
+    algorithm: Any = None   # the algorithm's registered config dataclass: /schema/algorithm/<name>
     data: Any = None        # validated by data/registry.py against the kind's dataclass
     reward: Any = None      # validated by rewards/registry.py against each part's dataclass
 
@@ -83,20 +83,18 @@ def _one_line(e: Exception) -> str:
     return str(e).splitlines()[0].strip() if str(e) else type(e).__name__
 
 
-def typed_group(cfg: DictConfig, key: str, schema: type) -> Any:
-    """The group `key` of the composed config as its dataclass instance (runs `__post_init__` validation)."""
+def _typed(convert, where: str):
+    """Run `convert` (an OmegaConf -> dataclass conversion); its failures become one-line ConfigErrors."""
     try:
-        node = OmegaConf.select(cfg, key)  # resolved in place: interpolations may point anywhere in the root
-        node = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else {}
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
-        return OmegaConf.to_object(merged)
+        return convert()
     except ConfigError:
         raise
     except OmegaConfBaseException as e:
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None
         full = getattr(e, "full_key", None)
-        raise ConfigError(f"{key}.{full}: {_one_line(e)}" if full else f"{key}: {_one_line(e)}") from None
+        raise ConfigError(f"{where}.{full}: {_one_line(e)}" if full and where else
+                          f"{full or where}: {_one_line(e)}") from None
     except ValueError as e:
         raise ConfigError(_one_line(e)) from None
 
@@ -108,35 +106,50 @@ def rollout_schema(cfg: DictConfig) -> type:
     return ROLLOUT_SCHEMAS[engine]
 
 
-def algorithm_spec(cfg: DictConfig) -> dict:
-    """The algorithm's config dict; `max_response_len: null` means the rollout's own cap, trainer.max_new_tokens."""
-    spec = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    if spec.get("max_response_len") is None:
-        spec["max_response_len"] = int(cfg.trainer.max_new_tokens)
-    return spec
+def _refuse_undeclared(node: DictConfig, where: str) -> None:
+    """A key no schema declares (`+trainer.stpes=3` forces one past Hydra's struct check) is an error."""
+    schema = OmegaConf.get_type(node)
+    declared = {f.name for f in fields(schema)} if schema is not None and is_dataclass(schema) else None
+    for key in node.keys():
+        name = f"{where}.{key}" if where else str(key)
+        if declared is not None and key not in declared:
+            raise ConfigError(f"{name}: Key '{key}' not in '{schema.__name__}'")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _refuse_undeclared(child, name)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Every typed group's `__post_init__` checks plus the algorithm's, as one-line ConfigErrors."""
+def load_config(cfg: DictConfig) -> MainConfig:
+    """The composed Hydra config as typed objects, converted once: every group's `__post_init__` check and the
+    algorithm's ran, `algorithm.max_response_len: null` is the rollout's own cap (trainer.max_new_tokens).
+    Everything after this reads attributes of the returned dataclasses, never the DictConfig."""
     known = {f.name for f in fields(MainConfig)}
     stray = sorted(set(cfg.keys()) - known - {"hydra"})
     if stray:
         raise ConfigError(f"unknown top-level key(s) {stray}; known: {sorted(known)}")
-    for key, schema in (("trainer", TrainerConfig), ("eval", EvalConfig), ("optim", OptimSettings),
-                        ("logging", LoggingConfig), ("model", ModelConfig), ("parallel", ParallelConfig),
-                        ("run", RunConfig)):
-        typed_group(cfg, key, schema)
-    typed_group(cfg, "rollout", rollout_schema(cfg))
+    rollout_schema(cfg)
+    _refuse_undeclared(cfg, "")
+    if OmegaConf.select(cfg, "algorithm.max_response_len", default=0) is None:  # the schema checks it on creation
+        cfg = cfg.copy()
+        cfg.algorithm.max_response_len = cfg.trainer.max_new_tokens
+    main: MainConfig = _typed(lambda: OmegaConf.to_object(cfg), "")
     from mcore_rl.algorithms import build_algorithm
 
     try:
-        build_algorithm(algorithm_spec(cfg))
+        build_algorithm(main.algorithm)  # the algorithm's cross-field checks (its schema ran its own)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
+    return main
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every check load_config runs, as one-line ConfigErrors (for tools that only check a config)."""
+    load_config(cfg)
+
 
 
 __all__ = [
-    "ConfigError", "algorithm_spec", "EvalConfig", "Fp8Config", "LoadCheckConfig", "LocalRolloutConfig", "LoggingConfig", "MainConfig",
-    "ModelConfig", "MoeConfig", "OptimSettings", "ParallelConfig", "RunConfig", "SGLangLauncherSettings",
-    "SGLangRolloutConfig", "TrainerConfig", "register_configs", "rollout_schema", "typed_group", "validate",
+    "ConfigError", "EvalConfig", "Fp8Config", "LoadCheckConfig", "LocalRolloutConfig", "LoggingConfig", "MainConfig",
+    "ModelConfig", "MoeConfig", "load_config", "OptimSettings", "ParallelConfig", "RunConfig", "SGLangLauncherSettings",
+    "SGLangRolloutConfig", "TrainerConfig", "register_configs", "rollout_schema", "validate",
 ]

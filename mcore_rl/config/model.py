@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.config.checks import ConfigError, one_of, positive
+from mcore_rl.dtypes import SHORT
 
 MODEL_SOURCES = ("smollm2", "hf", "tiny")
-DTYPES = ("auto", "fp32", "bf16", "fp16")
+DTYPES = ("auto", *SHORT)
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 

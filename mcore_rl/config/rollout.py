@@ -1,7 +1,7 @@
 """`rollout.*`: one schema per engine (hydra_conf/rollout/<engine>.yaml names its schema in its defaults list).
 
-Every key except the trainer's weight-sync keys (sync_mode, sync_dir, keep_versions, bucket_mb: read by
-trainer/run.py) is passed to the engine's constructor, so a key here is a constructor argument there.
+Every key except the trainer's weight-sync keys (sync_mode, sync_dir, keep_versions: read by trainer/weights.py)
+is passed to the engine's constructor (trainer/models.py), so a key here is a constructor argument there.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.config.checks import ConfigError, one_of, positive
+from mcore_rl.dtypes import SHORT_OR_LONG
 
 
 @dataclass
@@ -31,7 +32,7 @@ class LocalRolloutConfig:
         one_of("rollout.engine", self.engine, ("local",))
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"rollout.device={self.device!r}: expected auto, cpu, cuda or cuda:N")
-        one_of("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
+        one_of("rollout.dtype", self.dtype, ("auto", *SHORT_OR_LONG))
         one_of("rollout.sync_mode", self.sync_mode, ("tensor", "disk"))
         positive("rollout.max_batch_size", self.max_batch_size)
         positive("rollout.keep_versions", self.keep_versions)

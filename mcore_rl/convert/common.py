@@ -18,12 +18,8 @@ from typing import Any
 import torch
 
 from mcore_rl import fsio
+from mcore_rl.dtypes import SHORT, short_name, torch_dtype
 
-# CLI spelling -> torch dtype -> HF config spelling
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HF_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-}
 HF_SUBDIR = "hf"  # config + tokenizer files copied into a Megatron checkpoint (makes it self-describing)
 
 
@@ -39,18 +35,18 @@ class ConvertError(RuntimeError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt is dtype:
-            return name
-    raise ConvertError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
+    """The CLI spelling (fp32 | bf16 | fp16) of a dtype the converter supports."""
+    try:
+        return short_name(dtype)
+    except ValueError:
+        raise ConvertError(f"unsupported dtype {dtype}; supported: {', '.join(SHORT)}") from None
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    key = aliases.get(name, name)
-    if key not in DTYPES:
-        raise ConvertError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[key]
+    try:
+        return torch_dtype(name)
+    except ValueError:
+        raise ConvertError(f"--dtype {name!r}: expected one of {', '.join(SHORT)}") from None
 
 
 def parse_size(text: str) -> int:

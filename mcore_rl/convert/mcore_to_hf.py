@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from mcore_rl.convert.common import (
-    HF_DTYPE_NAMES,
     HF_SUBDIR,
     ConvertError,
     ckpt_hf_config,
@@ -30,6 +29,7 @@ from mcore_rl.convert.common import (
 )
 from mcore_rl.convert.dist_reader import DistCheckpointReader
 from mcore_rl.convert.shapes import VOCAB_TENSORS, mcore_shape, split_layer
+from mcore_rl.dtypes import long_name
 from mcore_rl.models.base import ModelArgs, ModelFamily, family_for
 from mcore_rl.models.hf_io import copy_side_files, write_hf_shards
 from mcore_rl.models.llama import te_name
@@ -136,7 +136,7 @@ def hf_config_for_output(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, A
     out = dict(cfg)
     keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["torch_dtype"]
     for k in keys:
-        out[k] = HF_DTYPE_NAMES[dtype]
+        out[k] = long_name(dtype)
     return out
 
 

@@ -78,8 +78,8 @@ def rollout_engine(name: str | None, engine: str | None, overrides: dict,
         return engine or "local", overrides
     from omegaconf import OmegaConf
 
+    from mcore_rl.config.paths import CONFIG_DIR
     from mcore_rl.rollout.weight_sync.transports import TRAINER_KEYS
-    from mcore_rl.train import CONFIG_DIR
 
     path = Path(name) if name.endswith((".yaml", ".yml")) else Path(CONFIG_DIR) / "rollout" / f"{name}.yaml"
     if not path.is_file():

@@ -38,7 +38,7 @@ class EnvSet:
 
 def env_config(spec: str) -> dict[str, Any]:
     """Spec string -> the environment's config dict (no environment is built yet)."""
-    from mcore_rl.train import CONFIG_DIR
+    from mcore_rl.config.paths import CONFIG_DIR
 
     base, _, opts = spec.partition(":")
     if Path(base).suffix in (".yaml", ".yml"):

@@ -42,7 +42,7 @@ def _run_model_dir(run_dir: Path) -> Path:
     if not cfg_file.is_file():
         raise ModelSourceError(f"{run_dir}: no config.yaml, so the run's base model (HF config, tokenizer) is "
                                "unknown; pass --hf-config")
-    return resolve_model_dir(OmegaConf.load(cfg_file))
+    return resolve_model_dir(OmegaConf.load(cfg_file).model)
 
 
 def _export(ckpt: Path, hf_config: Path | None, out_root: Path | None) -> Path:

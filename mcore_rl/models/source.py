@@ -9,20 +9,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from mcore_rl import fsio
 from mcore_rl.config import ConfigError
 
 
-def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
+def tiny_model_dir(tiny: Mapping[str, Any], cache: Path | None = None) -> Path:
     """A random tiny Llama with the SmolLM2 tokenizer, cached by its config hash (written atomically)."""
     from mcore_rl.models.smollm2 import DEFAULT_CACHE, materialize_smollm2
 
-    spec = OmegaConf.to_container(tiny, resolve=True)
+    spec = {str(k): v for k, v in tiny.items()}  # model.tiny: flat HF config fields
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     out = (cache or DEFAULT_CACHE) / f"tiny-{spec.get('model_type', 'llama')}-{key}"
     if (out / "config.json").is_file():
@@ -34,16 +35,9 @@ def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
     tok = AutoTokenizer.from_pretrained(src)
     seed = spec.pop("seed", 0)
     model_type = spec.pop("model_type", "llama")  # any transformers model type the families cover
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tok),
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        **spec,
-    )
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), tie_word_embeddings=True,
+                                  max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -53,15 +47,16 @@ def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
     return out
 
 
-def resolve_model_dir(cfg: DictConfig) -> Path:
-    src = cfg.model.source
-    if src == "hf" or cfg.model.hf_path:
-        p = Path(cfg.model.hf_path)
+def resolve_model_dir(model: Any) -> Path:
+    """`model`: the run's `model` group (the typed ModelConfig, or the node of a saved run's config.yaml)."""
+    src = model.source
+    if src == "hf" or model.hf_path:
+        p = Path(model.hf_path)
         if not (p / "config.json").is_file():
             raise ConfigError(f"model.hf_path={p} is not an HF model folder (no config.json)")
         return p
     if src == "tiny":
-        return tiny_model_dir(cfg.model.tiny)
+        return tiny_model_dir(model.tiny)
     from mcore_rl.models.smollm2 import materialize_smollm2
 
     return materialize_smollm2()  # atomic: concurrent ranks race safely

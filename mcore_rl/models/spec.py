@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.config.model import Fp8Config  # noqa: F401  (the schema of model.fp8; re-exported)
+from mcore_rl.dtypes import SHORT, torch_dtype
 from mcore_rl.models.base import ModelArgs
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
@@ -96,9 +96,9 @@ def fp8_fields(fp8: Fp8Config) -> dict:
 
 def transformer_config_kwargs(a: ModelArgs, build: BuildConfig) -> dict:
     """Keyword arguments for megatron.core TransformerConfig (kept as a dict so it is testable without Megatron)."""
-    if build.dtype not in DTYPES:
-        raise ValueError(f"model.dtype={build.dtype!r}: expected one of {sorted(DTYPES)}")
-    dtype = DTYPES[build.dtype]
+    if build.dtype not in SHORT:
+        raise ValueError(f"model.dtype={build.dtype!r}: expected one of {', '.join(SHORT)}")
+    dtype = torch_dtype(build.dtype)
     kw = dict(
         num_layers=a.num_layers,
         hidden_size=a.hidden_size,

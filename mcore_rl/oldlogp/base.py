@@ -26,7 +26,7 @@ FinishedFn = Callable[[], list[Any]] | None
 
 @dataclass
 class SourceContext:
-    """What a source needs from the run; built by the trainer (trainer/run.py) once."""
+    """What a source needs from the run; built by the trainer (trainer/build.py) once."""
 
     policy: Any                      # the trainable Policy (live weights = the newest version)
     temperature: float

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_rl.dtypes import SHORT, long_name
+
 log = logging.getLogger("mcore_rl")
 
-DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
-TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_CHOICES = ("auto", *SHORT)
 AUTO_MIN_SPEEDUP = 1.5  # bf16 must be at least this much faster than fp32 to be worth its rounding error
 
 
@@ -95,5 +96,5 @@ def engine_dtype(rollout_dtype: str | None, train_dtype: str) -> str:
     """The embedded engine's torch dtype name: `auto`/None follows the trainer (fewer train/rollout mismatches
     than mixing precisions, and the engine gets the same bf16 speed-up)."""
     if rollout_dtype in (None, "auto"):
-        return TORCH_NAMES[train_dtype]
-    return TORCH_NAMES.get(rollout_dtype, rollout_dtype)
+        return long_name(train_dtype)
+    return long_name(rollout_dtype)

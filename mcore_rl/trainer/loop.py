@@ -1,61 +1,95 @@
-"""The RL loop. One round = generate -> reward -> advantages -> anchors -> mu optimizer updates -> weight sync.
+"""The RL loop, one round per iteration, in the order it happens:
+
+    generate (schedule) -> reward -> advantages -> anchors (old / ref log-probs) -> mu optimizer updates
+    -> weight sync -> log / evaluate / checkpoint
 
 The schedule (trainer/schedule/: sync, staged, async) decides when generation is submitted, what happens around
 training (staged: the engine releases its memory) and how many updates a round serves; the loop is the same for
 all. `trainer.steps` counts optimizer updates (U in the Mu-GRPO paper), so schedules compare at equal budgets.
+The components come from trainer/build.py; the counters live in one RunState, saved with every checkpoint.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+
+from mcore_rl.trainer.build import Components
+from mcore_rl.trainer.state import RunState
 
 
 @contextmanager
-def timed(times: dict[str, float], name: str):
+def timed(times: dict[str, float], name: str) -> Iterator[None]:
     t0 = time.perf_counter()
     yield
     times[name] = times.get(name, 0.0) + time.perf_counter() - t0
 
 
-def train(run) -> dict[str, float]:
-    """`run` is a trainer.run.Run (everything built). Returns the last metrics."""
-    cfg, alg, sched = run.cfg, run.algorithm, run.schedule
-    steps, last = cfg.trainer.steps, {}
-    if run.update == 0:
-        run.maybe_evaluate(force=True)  # the baseline every later evaluation is compared against
-    while run.update < steps and not run.stop.agreed():
+def train(c: Components, state: RunState) -> dict[str, float]:
+    """Train until `trainer.steps` updates or a stop signal; returns the last update's metrics."""
+    steps, last = c.settings.steps, {}
+    if state.update == 0:
+        c.evaluator.maybe_run(state, force=True)  # the baseline every later evaluation is compared against
+    while state.update < steps and not c.stop.agreed():
         times: dict[str, float] = {}
-        n_up = min(sched.updates_per_round, steps - run.update)
+        n_up = min(c.schedule.updates_per_round, steps - state.update)
         with timed(times, "time_generate"):
-            batch = run.next_batch(n_up)  # rank 0 generates and scores; every rank receives the batch
-        if batch is None:  # a stop signal aborted generation: checkpoint (in-flight prompts listed) and stop
+            rnd = c.rounds.next(n_up, state)  # rank 0 generates and scores; every rank receives the round
+        if rnd is None:  # a stop signal aborted generation: checkpoint (in-flight prompts listed) and stop
             break
-        rb, rollout_metrics = batch
-        adv = alg.advantages(rb.rewards, rb.group_ids, lengths=rb.response_len)
+        state.round += 1
+        rb, rollout_metrics = rnd.batch, rnd.metrics
+        adv = c.algorithm.advantages(rb.rewards, rb.group_ids, lengths=rb.response_len)
         with timed(times, "time_switch"):
-            sched.before_train()  # staged: the engine releases its memory
+            c.schedule.before_train()  # staged: the engine releases its memory
         with timed(times, "time_old_logp"):
-            anchors = run.anchors(rb)  # old_logp (recompute) and ref_logp for the whole round
-        rollout_metrics.update(run.oldlogp.metrics())  # oldlogp hook: snapshot memory, missing-old-logit error
+            anchors = c.learner.anchors(rb, state.version)  # old_logp and ref_logp for the whole round
+        rollout_metrics.update(c.oldlogp.metrics())  # snapshot memory, missing-old-logit error
         for u in range(n_up):
-            metrics = run.train_update(rb, adv, anchors, u, n_up)
-            metrics.update({k: v / n_up for k, v in times.items() if k != "time_switch"})  # spread over the round
-            metrics.update(rollout_metrics)
-            metrics.update({"adv_" + k: v for k, v in adv.metrics.items()})
-            metrics["zero_variance_groups_dropped"] = float(adv.num_zero_variance_groups)
-            last = metrics
+            state.update += 1
+            last = c.learner.update(rb, adv, anchors, u, n_up, state.update, state.round, rnd.prompt_ids)
+            last.update(
+                {k: v / n_up for k, v in times.items() if k != "time_switch"}
+            )  # spread over the round
+            last.update(rollout_metrics)
+            last.update({"adv_" + k: v for k, v in adv.metrics.items()})
+            last["zero_variance_groups_dropped"] = float(adv.num_zero_variance_groups)
             if u < n_up - 1:
-                run.log(metrics)
+                c.runlog.log(state.update, last)
         with timed(times, "time_switch"):
-            sched.after_train()  # staged: the engine takes its memory back
+            c.schedule.after_train()  # staged: the engine takes its memory back
         with timed(times, "time_sync"):
-            sched.before_sync()  # async, deterministic: in-flight rounds finish on the weights they started with
-            last.update(run.sync_weights())
+            c.schedule.before_sync()  # async, deterministic: in-flight rounds finish on the weights they started with
+            last.update(c.weights.publish(state))  # version + 1 in the engine and the old-log-prob source
         last.update(time_sync=times["time_sync"], time_switch=times["time_switch"])  # the round's last record
         last["tokens_per_s"] = rollout_metrics.get("rollout_tokens", 0.0) / max(sum(times.values()), 1e-9)
-        run.log(last)
-        run.maybe_evaluate()
-        run.maybe_checkpoint()
-    run.finish()
+        c.runlog.log(state.update, last)
+        c.evaluator.maybe_run(state)
+        c.checkpointer.maybe_save(state, n_up, stopping=c.stop.agreed())
+    finish(c, state)
     return last
+
+
+def finish(c: Components, state: RunState) -> None:
+    """Preempted: checkpoint and mark run.dir (a requeued job resumes). Finished: the last checkpoint, the final
+    evaluation and the HF export. Then rank 0 closes the engine, reward workers and logs."""
+    preempted = c.stop.agreed()
+    c.checkpointer.save_final(state, c.stop.signals if preempted else None)
+    if not preempted:
+        c.evaluator.maybe_run(state, force=True)
+        if c.settings.export_hf:
+            export_hf(c)
+    c.close()
+
+
+def export_hf(c: Components) -> None:
+    """run.dir/hf: the trained policy as an HF folder (gathered to rank 0; the others stream their shards)."""
+    from mcore_rl.rollout.weight_sync.disk_sync import write_hf_folder
+
+    stream = c.policy.hf_tensors(dst=0)
+    if c.rank == 0:
+        write_hf_folder(stream, c.run_dir / "hf", config_dir=c.model_dir, overwrite=True)
+    else:
+        for _ in stream:
+            pass

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
+from mcore_rl.config import EvalConfig
 from mcore_rl.data import PromptSampler, build_dataset, render_prompt
 from mcore_rl.trainer.setup import ConfigError
 
@@ -32,31 +32,34 @@ def _dataset(spec: dict, where: str):
 
 
 class PromptSource:
-    def __init__(self, cfg: DictConfig, model_dir: Path, algorithm) -> None:
+    """`data`: the data group (its kind's loader types and checks it); `retire_pass_rate`: the algorithm's
+    ScaleRL prompt retirement threshold (None: off)."""
+
+    def __init__(self, data: dict[str, Any], evaluation: EvalConfig, model_dir: Path, seed: int,
+                 prompts_per_update: int, max_new_tokens: int, retire_pass_rate: float | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._cache: dict[str, list[int]] = {}
         self._by_id: dict | None = None
-        spec = OmegaConf.to_container(cfg.data, resolve=True)
+        spec = dict(data)
         sampler_cfg = spec.get("sampler") or {}
         self.train = _dataset(spec, "data")
-        self.train = self._drop_overlong(self.train, model_dir, cfg.trainer.max_new_tokens, "data")
-        self.per_update = cfg.trainer.prompts_per_update
+        self.train = self._drop_overlong(self.train, model_dir, max_new_tokens, "data")
+        self.per_update = prompts_per_update
         self.history = None
-        retire = getattr(algorithm.config, "retire_pass_rate", None)
-        if retire:
+        if retire_pass_rate:
             from mcore_rl.algorithms import PassRateHistory
 
-            self.history = PassRateHistory(threshold=retire)
-        self.sampler = PromptSampler(self.train, batch_size=self.per_update, seed=sampler_cfg.get("seed", cfg.seed),
+            self.history = PassRateHistory(threshold=retire_pass_rate)
+        self.sampler = PromptSampler(self.train, batch_size=self.per_update, seed=sampler_cfg.get("seed", seed),
                                      shuffle=sampler_cfg.get("shuffle", True),
                                      skip=self.history.is_retired if self.history else None)
-        self.model_dir, self.eval_max_new_tokens = model_dir, cfg.eval.max_new_tokens
-        self.eval_spec = self._eval_spec(cfg, spec)
+        self.model_dir, self.eval_max_new_tokens = model_dir, evaluation.max_new_tokens
+        self.eval_spec = self._eval_spec(evaluation, spec)
         self._eval: list[Prompt] | None = None
-        self.eval_num_prompts = int(cfg.eval.num_prompts)
-        self.eval_set_specs = self._eval_set_specs(cfg)
+        self.eval_num_prompts = int(evaluation.num_prompts)
+        self.eval_set_specs = self._eval_set_specs(evaluation)
         self._eval_sets: list | None = None
         self.stop_token_ids = [t for t in {self.tokenizer.eos_token_id} if t is not None]
 
@@ -79,32 +82,32 @@ class PromptSource:
         return ds
 
     @staticmethod
-    def _eval_spec(cfg: DictConfig, train_spec: dict) -> dict | None:
-        if cfg.eval.num_prompts <= 0:
+    def _eval_spec(evaluation: EvalConfig, train_spec: dict) -> dict | None:
+        if evaluation.num_prompts <= 0:
             return None
-        if cfg.eval.data:
-            return OmegaConf.to_container(cfg.eval.data, resolve=True)
+        if evaluation.data:
+            return dict(evaluation.data)
         spec = dict(train_spec)  # same kind; generators get a different seed so the set is fixed and separate
         if "seed" in spec:
             spec["seed"] = int(spec["seed"]) + 1000
         if "size" in spec:
-            spec["size"] = cfg.eval.num_prompts
+            spec["size"] = evaluation.num_prompts
         return spec
 
     @staticmethod
-    def _eval_set_specs(cfg: DictConfig) -> list[str]:
+    def _eval_set_specs(evaluation: EvalConfig) -> list[str]:
         """`eval.sets`: `mcore-rl-eval --set` specs, checked here (one line naming the entry) before any model loads."""
         from mcore_rl.evaluation.sets import parse_spec
 
-        specs = list(cfg.eval.sets or [])
-        if specs and cfg.eval.get("data"):
+        specs = list(evaluation.sets or [])
+        if specs and evaluation.data:
             raise ConfigError("eval.sets and eval.data are both set: name the held-out sets in one of them")
         for i, spec in enumerate(specs):
             if not isinstance(spec, str) or not spec.strip():
                 raise ConfigError(f"eval.sets[{i}]: expected a set spec string like 'arithmetic' or "
                                   f"'reasoning_gym/gcd', got {spec!r}")
             try:
-                parse_spec(spec, int(cfg.eval.num_prompts))
+                parse_spec(spec, int(evaluation.num_prompts))
             except ValueError as e:
                 raise ConfigError(f"eval.sets[{i}]: {e}") from None
         return specs

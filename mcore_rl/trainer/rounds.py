@@ -11,20 +11,24 @@ Metrics: `dynamic_sampling_rounds` (draws used) and `zero_variance_groups` (in t
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
+from mcore_rl.agreement import FatalRunError
+from mcore_rl.batch import RolloutBatch, build_rollout_batch
+from mcore_rl.distributed import broadcast_object
 from mcore_rl.rewards.base import failure_counts
-from mcore_rl.trainer.schedule import Generated
+from mcore_rl.trainer.schedule import Generated, Schedule
+from mcore_rl.trainer.state import RunState
 
 
-def reward_round(run, gen: Generated) -> tuple[list[float], list[bool], dict[str, float]]:
-    """Score a round's samples (rank 0); feeds the pass-rate history and the compute meter."""
-    G = run.cfg.trainer.samples_per_prompt
-    results = run.reward_fn.score([s.text or "" for s in gen.samples], [p.answer for p in gen.prompts for _ in range(G)])
-    rewards, correct = [r.score for r in results], [bool(r.correct) for r in results]
-    run.data.observe([p.prompt_id for p in gen.prompts for _ in range(G)], rewards)
-    passes = int(run.algorithm.needs_old_logp) + int(run.ref is not None) + int(run.ewma is not None)
-    run.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in gen.samples], passes)
-    return rewards, correct, failure_counts(results)
+@dataclass
+class Round:
+    """A scored round as every rank receives it: the batch, its rollout metrics, and the prompts behind it."""
+
+    batch: RolloutBatch
+    metrics: dict[str, float]
+    prompt_ids: list[str]
 
 
 def _groups(gen: Generated, rewards: list[float], correct: list[bool], G: int) -> list[tuple]:
@@ -36,40 +40,98 @@ def _varies(group: tuple) -> bool:
     return max(group[2]) != min(group[2])
 
 
-def produce(run, num_updates: int) -> dict | None:
-    """The next round, scored (rank 0). None when a stop signal aborted generation."""
-    gen = run.schedule.next_round(num_updates)
-    if gen is None:
-        return None
-    t0 = time.perf_counter()
-    rewards, correct, metrics = reward_round(run, gen)
-    metrics.update(gen.metrics)
-    G, ac = run.cfg.trainer.samples_per_prompt, run.algorithm.config
-    groups = _groups(gen, rewards, correct, G)
-    if ac.dynamic_sampling:
-        groups, metrics["dynamic_sampling_rounds"] = _fill_varied(run, groups, len(groups), ac.max_sampling_rounds)
-    metrics["zero_variance_groups"] = float(sum(not _varies(g) for g in groups))
-    metrics["time_reward"] = time.perf_counter() - t0
-    return {"index": gen.index, "prompts": [g[0] for g in groups], "samples": [s for g in groups for s in g[1]],
-            "rewards": [r for g in groups for r in g[2]], "correct": [c for g in groups for c in g[3]],
-            "metrics": metrics}
+class Rounds:
+    """Rank 0 takes the schedule's next round, scores it and broadcasts it; the other ranks pass None for the
+    rank-0 parts (schedule generation, data, reward, compute meter, engine) and only receive."""
 
+    def __init__(self, schedule: Schedule, rank: int, samples_per_prompt: int, prompts_per_update: int,
+                 algorithm_config: Any, data: Any = None, reward_fn: Any = None, compute: Any = None,
+                 engine: Any = None, scoring_passes: int = 0) -> None:
+        self.schedule, self.rank, self.G, self.per_update = schedule, rank, samples_per_prompt, prompts_per_update
+        self.dynamic_sampling = algorithm_config.dynamic_sampling
+        self.max_sampling_rounds = algorithm_config.max_sampling_rounds
+        self.data, self.reward_fn, self.compute, self.engine = data, reward_fn, compute, engine
+        self.scoring_passes = scoring_passes  # trainer forwards per sample besides the update (compute meter)
 
-def _fill_varied(run, groups: list[tuple], want: int, max_rounds: int) -> tuple[list[tuple], float]:
-    G, per = run.cfg.trainer.samples_per_prompt, run.cfg.trainer.prompts_per_update
-    varied = [g for g in groups if _varies(g)]
-    flat = [g for g in groups if not _varies(g)]
-    draws = 1
-    while len(varied) < want and draws < max_rounds:
-        extra = run.schedule.extra(-(-(want - len(varied)) // per) * per, salt=draws)
-        if extra is None:  # stop signal: train on what we have, the loop stops after this round
-            break
-        draws += 1
-        rewards, correct, _ = reward_round(run, extra)
-        for g in _groups(extra, rewards, correct, G):
-            (varied if _varies(g) else flat).append(g)
-    chosen = varied[:want]
-    return chosen + flat[:want - len(chosen)], float(draws)
+    def next(self, num_updates: int, state: RunState) -> Round | None:
+        """The next round on every rank; None when a stop signal (Slurm preemption) arrived during generation:
+        the schedule aborted what was in flight and its state lists those prompts for the resumed run."""
+        payload = None
+        if self.rank == 0:
+            try:
+                payload = self._produce(num_updates)
+            except FatalRunError as e:  # every rank must stop, not wait in the broadcast below
+                payload = str(e)
+        payload = broadcast_object(payload)
+        if isinstance(payload, str):
+            raise FatalRunError(payload)
+        if payload is None:
+            return None
+        samples = payload["samples"]
+        rb = build_rollout_batch(samples, payload["rewards"], payload["correct"],
+                                 [i // self.G for i in range(len(samples))], pad_id=0)
+        return Round(rb, self._metrics(rb, payload["metrics"], state.version),
+                     [p.prompt_id for p in payload["prompts"]])
+
+    def _metrics(self, rb: RolloutBatch, rank0: dict[str, float] | None, version: int) -> dict[str, float]:
+        lengths = rb.response_len
+        metrics = {
+            "reward_mean": rb.rewards.mean().item(), "reward_std": rb.rewards.std().item() if len(rb) > 1 else 0.0,
+            "accuracy": rb.correct.mean().item(), "response_len": lengths.mean().item(),
+            "response_len_max": lengths.max().item(), "truncation_rate": rb.truncated.mean().item(),
+            "rollout_tokens": lengths.sum().item(), "weight_version": float(version),
+        }
+        tok_versions = rb.versions[rb.loss_mask > 0].double()
+        if tok_versions.numel():  # per-token lag behind the trainer: a weight update mid-sample shows here
+            metrics["staleness_max"] = float(version - tok_versions.min().item())
+            metrics["staleness_mean"] = float(version - tok_versions.mean().item())
+        if self.rank == 0:
+            metrics.update(rank0 or {})
+            metrics.update(self.data.metrics())
+            if hasattr(self.engine, "fault_metrics"):  # SGLang: HTTP retries, stale samples dropped, restarts
+                metrics.update(self.engine.fault_metrics())
+        return metrics
+
+    def _score(self, gen: Generated) -> tuple[list[float], list[bool], dict[str, float]]:
+        """Score a round's samples; feeds the pass-rate history and the compute meter."""
+        G = self.G
+        results = self.reward_fn.score([s.text or "" for s in gen.samples],
+                                       [p.answer for p in gen.prompts for _ in range(G)])
+        rewards, correct = [r.score for r in results], [bool(r.correct) for r in results]
+        self.data.observe([p.prompt_id for p in gen.prompts for _ in range(G)], rewards)
+        self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in gen.samples], self.scoring_passes)
+        return rewards, correct, failure_counts(results)
+
+    def _produce(self, num_updates: int) -> dict | None:
+        gen = self.schedule.next_round(num_updates)
+        if gen is None:
+            return None
+        t0 = time.perf_counter()
+        rewards, correct, metrics = self._score(gen)
+        metrics.update(gen.metrics)
+        groups = _groups(gen, rewards, correct, self.G)
+        if self.dynamic_sampling:
+            groups, metrics["dynamic_sampling_rounds"] = self._fill_varied(groups, len(groups))
+        metrics["zero_variance_groups"] = float(sum(not _varies(g) for g in groups))
+        metrics["time_reward"] = time.perf_counter() - t0
+        return {"index": gen.index, "prompts": [g[0] for g in groups], "samples": [s for g in groups for s in g[1]],
+                "rewards": [r for g in groups for r in g[2]], "correct": [c for g in groups for c in g[3]],
+                "metrics": metrics}
+
+    def _fill_varied(self, groups: list[tuple], want: int) -> tuple[list[tuple], float]:
+        varied = [g for g in groups if _varies(g)]
+        flat = [g for g in groups if not _varies(g)]
+        draws, per = 1, self.per_update
+        while len(varied) < want and draws < self.max_sampling_rounds:
+            extra = self.schedule.extra(-(-(want - len(varied)) // per) * per, salt=draws)
+            if extra is None:  # stop signal: train on what we have, the loop stops after this round
+                break
+            draws += 1
+            rewards, correct, _ = self._score(extra)
+            for g in _groups(extra, rewards, correct, self.G):
+                (varied if _varies(g) else flat).append(g)
+        chosen = varied[:want]
+        return chosen + flat[:want - len(chosen)], float(draws)
 
 
 class PromptsLog:

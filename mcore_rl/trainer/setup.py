@@ -1,4 +1,5 @@
-"""Build every component of a run from the composed Hydra config; fail on bad config before any model exists."""
+"""What a run is built from, checked before any model exists: the model folder, its fit to the parallel layout,
+the network's build settings (with `model.dtype` resolved once), the preemption flag."""
 
 from __future__ import annotations
 
@@ -7,42 +8,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from mcore_rl.config import ConfigError, OptimSettings, algorithm_spec, typed_group, validate
+from mcore_rl.config import ConfigError, MainConfig
 from mcore_rl.distributed import all_ranks_any
 from mcore_rl.models.base import family_for, read_hf_config
 from mcore_rl.models.moe_spec import validate_moe_parallel
 from mcore_rl.models.source import resolve_model_dir
-from mcore_rl.models.spec import BuildConfig, Fp8Config, resolve_impl, validate_parallel
+from mcore_rl.models.spec import BuildConfig, resolve_impl, validate_parallel
 from mcore_rl.policy.policy import PolicyConfig
 
 # re-exported here: ConfigError (home: mcore_rl.config), resolve_model_dir (home: mcore_rl.models.source)
-__all__ = ["ConfigError", "algorithm_spec", "resolve_model_dir", "validate_config"]
+__all__ = ["ConfigError", "resolve_model_dir"]
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Cheap checks with one-line messages; the heavy objects are built only after these pass. The checks live in
-    the groups' dataclasses (mcore_rl/config/, `__post_init__`); this runs them all."""
-    validate(cfg)
-
-
-def build_config(cfg: DictConfig) -> BuildConfig:
-    m = cfg.model
-    return BuildConfig(dtype=m.dtype, transformer_impl=m.transformer_impl, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                       sequence_parallel=cfg.parallel.sequence_parallel, fp8=Fp8Config(**m.fp8),
-                       recompute_activations=m.recompute_activations, ep=cfg.parallel.ep,
+def build_config(cfg: MainConfig, dtype: str | None = None) -> BuildConfig:
+    """The network's build settings; `dtype` is the run's resolved model.dtype (None: as configured)."""
+    m, par = cfg.model, cfg.parallel
+    return BuildConfig(dtype=dtype or m.dtype, transformer_impl=m.transformer_impl, tp=par.tp, pp=par.pp,
+                       sequence_parallel=par.sequence_parallel, fp8=m.fp8,
+                       recompute_activations=m.recompute_activations, ep=par.ep,
                        moe_aux_loss_coeff=float(m.moe.aux_loss_coeff) if m.moe is not None else 0.0,
                        lm_head_fp32=m.lm_head_fp32, compile=m.compile)
 
 
-def policy_config(cfg: DictConfig) -> PolicyConfig:
-    return PolicyConfig(build=build_config(cfg), optim=typed_group(cfg, "optim", OptimSettings),
-                        decay_steps=max(1, cfg.trainer.steps), token_budget=cfg.trainer.token_budget,
-                        seed=int(cfg.seed))
+def policy_config(cfg: MainConfig, dtype: str | None = None) -> PolicyConfig:
+    return PolicyConfig(build=build_config(cfg, dtype), optim=cfg.optim, decay_steps=max(1, cfg.trainer.steps),
+                        token_budget=cfg.trainer.token_budget, seed=int(cfg.seed))
 
 
-def check_model_against_parallel(cfg: DictConfig, model_dir: Path) -> None:
+def check_model_against_parallel(cfg: MainConfig, model_dir: Path) -> None:
     hf = read_hf_config(model_dir)
     try:
         args = family_for(hf).args(hf)

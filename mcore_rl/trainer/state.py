@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,25 @@ from mcore_rl.distributed import global_rank
 from mcore_rl.faults import crash_point
 
 log = logging.getLogger("mcore_rl")
+
+
+@dataclass
+class RunState:
+    """The run's counters, the only mutable state the loop shares with its components (schedules read `round`
+    and `version`). `update`..`next_eval` are saved in every checkpoint and restored on resume."""
+
+    update: int = 0                 # optimizer updates done
+    round: int = 0                  # rounds consumed
+    version: int = 0                # weight version the engine holds
+    next_eval: int = 0              # the update at which the next periodic held-out evaluation is due
+    last_eval: int | None = None    # the update last evaluated (one evaluation per update at most)
+
+    def saved(self) -> dict[str, int]:
+        return {"update": self.update, "round": self.round, "version": self.version, "next_eval": self.next_eval}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        self.update, self.round = int(saved["update"]), int(saved["round"])
+        self.version, self.next_eval = int(saved["version"]), int(saved["next_eval"])
 
 
 def rng_state() -> dict[str, Any]:
@@ -98,61 +118,3 @@ def load_checkpoint(path: str | Path, policy) -> tuple[dict[str, Any], dict[str,
 def latest_update(ckpt_root: str | Path) -> int | None:
     ck = latest_checkpoint(ckpt_root)
     return int(ck.name.split("_")[1]) if ck else None
-
-
-def trainer_state(run) -> dict[str, Any]:
-    """The JSON part of a run's state (rank 0's view): counters, data cursor, algorithm and compute state."""
-    st = {"update": run.update, "round": run.round, "version": run.version, "next_eval": run.next_eval}
-    if run.rank == 0:
-        st["data"] = run.data.state_dict()  # after every round in flight: the schedule's state lists those
-        st["algorithm"] = run.algorithm.state_dict()
-        st["compute"] = run.compute.state_dict()
-    return st
-
-
-def checkpoint(run) -> Path:
-    """Collective. Per rank: EWMA weights; rank 0 also the schedule's in-flight rounds (prompt ids, seeds and
-    the samples of finished requests), which can be large, so they go to the rank file, not the JSON meta."""
-    from mcore_rl.distributed import broadcast_object
-
-    extra = {"ewma": run.ewma.state_dict()} if run.ewma is not None else {}
-    if run.rank == 0:
-        extra["schedule"] = run.schedule.state_dict()
-    oldlogp = getattr(run, "oldlogp", None)
-    if oldlogp is not None and oldlogp.state_dict():  # stored weight versions of the samples still in flight
-        extra["oldlogp"] = oldlogp.state_dict()
-    return save_checkpoint(run.ckpt_root, run.update, run.policy, broadcast_object(trainer_state(run)),
-                           rank_extra=extra, keep=run.cfg.trainer.keep_checkpoints)
-
-
-def resume_or_start(run) -> None:
-    """Continue from the newest verified checkpoint (trainer.resume=auto) or start; then sync the engine."""
-    if run.rank == 0:
-        sweep_stale(run.ckpt_root)
-    ckpt = latest_checkpoint(run.ckpt_root, report=True) if run.cfg.trainer.resume == "auto" else None
-    need_sync = bool(run.cfg.model.mcore_ckpt)
-    extra: dict[str, Any] = {}
-    if ckpt is not None:
-        meta, extra = load_checkpoint(ckpt, run.policy)
-        t = meta["trainer"]
-        run.update, run.round, run.version, run.next_eval = t["update"], t["round"], t["version"], t["next_eval"]
-        if run.ewma is not None and "ewma" in extra:
-            run.ewma.load_state_dict(extra["ewma"])
-        if run.rank == 0:
-            run.data.load_state_dict(t["data"])
-        if t.get("algorithm") is not None:
-            run.algorithm.load_state_dict(t["algorithm"])
-        if run.compute is not None and t.get("compute"):
-            run.compute.load_state_dict(t["compute"])
-        log.warning("resumed from %s at update %d", ckpt, run.update)
-        need_sync = True
-    run.resumed_oldlogp = extra.get("oldlogp")  # loaded once the old-log-prob source exists (run.py)
-    if need_sync:
-        run.sync_weights(bump=False)
-    if run.rank == 0:
-        if extra.get("schedule"):  # after the sync: requests still to generate use the checkpoint's weights
-            run.schedule.load_state_dict(extra["schedule"])
-        (run.run_dir / "PREEMPTED").unlink(missing_ok=True)
-        from omegaconf import OmegaConf
-
-        (run.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run.cfg, resolve=True))

@@ -111,17 +111,9 @@ class NonFiniteGuard:
         return True
 
 
-def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tensor, keep: torch.Tensor,
-               anchors: dict[str, torch.Tensor], temperature: float, ewma=None,
-               guard: NonFiniteGuard | None = None, update_index: int | None = None) -> dict[str, float]:
-    """Train on this DP rank's rows `rb` of one mini-batch. `anchors`: old_logp / prox_logp / ref_logp [N, L].
-    `guard`: skip the step when anything is non-finite; `update_index` (1-based) names it in logs."""
-    reduce = dp_reducer()
-    weights = alg.token_weights(rb.loss_mask, rb.group_ids, reduce, keep)
-    adv_tok = advantages[:, None].float() * rb.loss_mask
-    extras = {"adv": adv_tok, "rollout_logp": rb.rollout_logp, "w": weights.float(), **anchors}
-    batch = rb.policy_batch(**extras)
-    inject = nan_at(update_index)  # fault-suite hook (mcore_rl/faults.py)
+def _loss_fn(alg: Algorithm, reduce, inject: bool):
+    """The per-micro-batch loss Megatron's forward-backward calls: the algorithm's loss on the micro-batch's
+    tokens (`inject`: the fault suite's NaN at this update)."""
 
     def loss_fn(mb, logp, entropy):
         tb = TokenBatch(
@@ -138,6 +130,36 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
             metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
         return loss, metrics
 
+    return loss_fn
+
+
+def _after_step(policy, alg: Algorithm, metrics: dict[str, float], ewma) -> None:
+    """The algorithm's post-step decision (from the last PP stage) and the EWMA weights' update or reset."""
+    reset = 0.0
+    if policy.is_last_stage():
+        decision = alg.after_optimizer_step(metrics)
+        metrics.update(decision.metrics)
+        reset = float(decision.reset_ewma)
+    reset = _broadcast_from_last_stage([reset])[0]
+    if ewma is not None:
+        params = list(policy.model.parameters())
+        if reset:
+            ewma.reset(params)
+            metrics["ewma_reset"] = 1.0
+        else:
+            ewma.update(params)
+
+
+def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tensor, keep: torch.Tensor,
+               anchors: dict[str, torch.Tensor], temperature: float, ewma=None,
+               guard: NonFiniteGuard | None = None, update_index: int | None = None) -> dict[str, float]:
+    """Train on this DP rank's rows `rb` of one mini-batch. `anchors`: old_logp / prox_logp / ref_logp [N, L].
+    `guard`: skip the step when anything is non-finite; `update_index` (1-based) names it in logs."""
+    reduce = dp_reducer()
+    weights = alg.token_weights(rb.loss_mask, rb.group_ids, reduce, keep)
+    adv_tok = advantages[:, None].float() * rb.loss_mask
+    extras = {"adv": adv_tok, "rollout_logp": rb.rollout_logp, "w": weights.float(), **anchors}
+    batch = rb.policy_batch(**extras)
     step_metrics = {}
     if alg.needs_step_logp:  # e.g. P3O ess_scope=batch: whole-batch statistics before the first micro-batch
         logp = policy.logprobs(rb.policy_batch(), temperature)  # None off the last PP stage (it has no loss)
@@ -145,7 +167,8 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
             anchor = anchors["old_logp"] if alg.needs_old_logp else rb.rollout_logp
             step_metrics = alg.begin_step(logp, anchor, rb.loss_mask, reduce)
     policy.zero_grad()
-    outs = policy.forward_backward(batch, loss_fn, temperature, with_entropy=True)
+    outs = policy.forward_backward(batch, _loss_fn(alg, reduce, nan_at(update_index)), temperature,
+                                   with_entropy=True)
     metrics = {**(mean_metrics(outs) if outs else {}), **step_metrics}
     if policy.is_last_stage():
         acc = alg.finish_accumulation(reduce)
@@ -160,17 +183,5 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
         metrics.update({"grad_norm": float("nan"), "update_ok": 0.0})
         return metrics
     metrics.update(policy.optimizer_step())
-    reset = 0.0
-    if policy.is_last_stage():
-        decision = alg.after_optimizer_step(metrics)
-        metrics.update(decision.metrics)
-        reset = float(decision.reset_ewma)
-    reset = _broadcast_from_last_stage([reset])[0]
-    if ewma is not None:
-        params = [p for p in policy.model.parameters()]
-        if reset:
-            ewma.reset(params)
-            metrics["ewma_reset"] = 1.0
-        else:
-            ewma.update(params)
+    _after_step(policy, alg, metrics, ewma)
     return metrics

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,54 +59,6 @@ FREE_FORM = ("model.tiny", "data.options", "eval.data", "reward.weights", "rollo
 
 def _free_form(path: str) -> bool:
     return path in FREE_FORM
-
-
-def dataclass_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(dotted key, field name) of a config dataclass, nested dataclasses included."""
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        yield prefix + f.name, f.name
-        t = hints[f.name]
-        for cand in (t, *typing.get_args(t)):
-            if dataclasses.is_dataclass(cand):
-                yield from dataclass_fields(cand, f"{prefix}{f.name}.")
-
-
-VALIDATORS = ("__post_init__", "validate", "_validate", "_check", "check")
-LOOKUPS = ("get", "pop", "select", "getattr", "hasattr", "setdefault")
-
-
-def code_names(root: Path, exclude: tuple[Path, ...] = ()) -> set[str]:
-    """Every identifier the code READS outside validation: attribute and name loads, keyword arguments, and
-    string constants used as a lookup (`cfg["x"]`, `cfg.get("x")`, `getattr(cfg, "x")`, `rc.pop("x")`).
-    Reads inside `__post_init__`/validate functions do not count: checking a key is not acting on it."""
-    names: set[str] = set()
-    for path in root.rglob("*.py"):
-        if any(path.is_relative_to(e) for e in exclude):
-            continue
-        tree = ast.parse(path.read_text())
-        skip: set[int] = set()
-        for fn in ast.walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name in VALIDATORS:
-                skip.update(id(n) for n in ast.walk(fn))
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                names.add(node.attr)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-                names.add(node.id)
-            elif isinstance(node, ast.keyword) and node.arg:
-                names.add(node.arg)
-            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-                names.add(str(node.slice.value))
-            elif isinstance(node, ast.Call):
-                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-                if func in LOOKUPS:
-                    names.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
-    return names
 
 
 OVERRIDE = re.compile(r"^[+~]{0,2}([a-z_]\w*(?:\.\w+)*)=")

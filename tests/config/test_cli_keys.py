@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from tests.config.keyscan import REPO, compose
@@ -102,13 +103,14 @@ def test_reward_keys_change_scores():
 
 # ---- model / optim / parallel: what the trainer's builders get -------------------------------------------------
 def test_model_optim_parallel_keys_reach_the_builders():
+    from mcore_rl.config import load_config
     from mcore_rl.trainer.setup import build_config, policy_config
 
-    cfg = compose(["model=tiny_moe", "model.source=tiny", "model.moe.aux_loss_coeff=0.01", "model.lm_head_fp32=true",
+    cfg = load_config(compose(["model=tiny_moe", "model.source=tiny", "model.moe.aux_loss_coeff=0.01", "model.lm_head_fp32=true",
                    "model.tiny.seed=3", "parallel.pp=1", "parallel.ep=1", "optim.lr=3e-4", "optim.min_lr=1e-5",
                    "optim.adam_beta1=0.8", "optim.adam_beta2=0.95", "optim.adam_eps=1e-6", "optim.weight_decay=0.1",
                    "optim.clip_grad=0.5", "optim.warmup_steps=2", "optim.decay_style=cosine",
-                   "optim.use_distributed_optimizer=true", "trainer.steps=7"])
+                   "optim.use_distributed_optimizer=true", "trainer.steps=7"]))
     b = build_config(cfg)
     assert (b.moe_aux_loss_coeff, b.lm_head_fp32, b.pp, b.ep) == (0.01, True, 1, 1)
     p = policy_config(cfg)
@@ -116,7 +118,7 @@ def test_model_optim_parallel_keys_reach_the_builders():
     assert (o.lr, o.min_lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay, o.clip_grad, o.warmup_steps,
             o.decay_style, o.use_distributed_optimizer, p.decay_steps) == (3e-4, 1e-5, 0.8, 0.95, 1e-6, 0.1, 0.5,
                                                                           2, "cosine", True, 7)
-    assert cfg.model.tiny.seed == 3
+    assert cfg.model.tiny["seed"] == 3
 
 
 # ---- the trainer: one CLI run ----------------------------------------------------------------------------------
@@ -226,13 +228,22 @@ ALGORITHM_OVERRIDES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHM_OVERRIDES))
-def test_algorithm_keys_reach_the_built_algorithm(name):
+# keys only another mode reads: the same check on a second update path
+OTHER_PATHS = {
+    "grpo/mis": ("grpo", ["algorithm.correction.mode=mis", "algorithm.correction.low=0.3",
+                          "algorithm.correction.high=3.0"]),
+    "ppo_ewma/decoupled": ("ppo_ewma", ["algorithm.objective=decoupled", "algorithm.ti_tis_max=1.5"]),
+}
+CASES = {**{n: (n, o) for n, o in ALGORITHM_OVERRIDES.items()}, **OTHER_PATHS}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_algorithm_keys_reach_the_built_algorithm(case):
     import yaml
 
     from mcore_rl.algorithms import build_algorithm
 
-    overrides = ALGORITHM_OVERRIDES[name]
+    name, overrides = CASES[case]
     alg = build_algorithm(compose([f"algorithm={name}", *overrides]).algorithm)
     for o in overrides:
         key, value = o.split("=", 1)
@@ -241,3 +252,29 @@ def test_algorithm_keys_reach_the_built_algorithm(name):
             got = getattr(got, part)
         want = yaml.safe_load(value)
         assert got == (float(want) if isinstance(got, float) else want), (key, got)
+    loss = _one_update(alg)  # and the algorithm acts with them: every key is read on its update path
+    assert torch.isfinite(loss), (name, loss)
+
+
+def _one_update(alg) -> torch.Tensor:
+    """An update's algorithm calls on a small synthetic batch (two groups of two): advantages, token weights,
+    whole-batch statistics, the loss with every anchor it needs, accumulation and the post-step decision."""
+    from mcore_rl.algorithms import TokenBatch
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 5)
+    gid = torch.tensor([0, 0, 1, 1])
+    adv = alg.advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), gid, lengths=mask.sum(1))
+    logp = (-torch.rand(4, 5, generator=g)).requires_grad_()
+    near = logp.detach() + 0.05 * torch.randn(4, 5, generator=g)
+    alg.begin_step(logp.detach(), near, mask)
+    tb = TokenBatch(logp=logp, mask=mask, advantages=adv.advantages[:, None] * mask, rollout_logp=near,
+                    token_weight=alg.token_weights(mask, gid, keep=adv.keep),
+                    old_logp=near if alg.needs_old_logp else None, prox_logp=near if alg.needs_prox_logp else None,
+                    ref_logp=near if alg.needs_ref_logp else None,
+                    entropy=torch.rand(4, 5, generator=g) if alg.needs_entropy else None)
+    loss, metrics = alg.loss(tb)
+    loss.backward()
+    metrics.update(alg.finish_accumulation().metrics)
+    alg.after_optimizer_step(metrics)
+    return loss.detach()

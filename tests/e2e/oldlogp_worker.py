@@ -23,79 +23,80 @@ HOLD_AFTER_TOKENS = 16
 HOLD_AFTER_SAMPLES = 2
 
 
-def _local_progress(run) -> bool:
+def _local_progress(c, state) -> bool:
     """Local engine: samples of the next round have finished (stale when consumed) and one is half-way."""
-    if not run.engine.num_running:
+    if not c.engine.num_running:
         return True
-    longest = max((len(r.out) for r in list(run.engine._batch.rows)), default=0)
-    return len(run._finished_samples()) >= HOLD_AFTER_SAMPLES and longest >= HOLD_AFTER_TOKENS
+    longest = max((len(r.out) for r in list(c.engine._batch.rows)), default=0)
+    return len(c.schedule.finished_samples()) >= HOLD_AFTER_SAMPLES and longest >= HOLD_AFTER_TOKENS
 
 
-def _remote_progress(run) -> bool:
+def _remote_progress(c, state) -> bool:
     """SGLang (servers decoding one sample at a time): a sample of the current version has finished (stale when
     consumed); the ones decoding now are in flight at the sync."""
-    futures = [f for rnd in run.schedule.pending for r in rnd.requests if r.futures for f in r.futures]
+    futures = [f for rnd in c.schedule.pending for r in rnd.requests if r.futures for f in r.futures]
     if all(f.done() for f in futures):
         return True
-    return any(s.weight_versions and s.weight_versions[0] == run.version for s in run._finished_samples())
+    return any(s.weight_versions and s.weight_versions[0] == state.version for s in c.schedule.finished_samples())
 
 
 def main(out: str, overrides: list[str]) -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
+    from mcore_rl.config import load_config
     from mcore_rl.train import CONFIG_DIR
+    from mcore_rl.trainer.build import build
     from mcore_rl.trainer.loop import train
-    from mcore_rl.trainer.run import Run
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    run = Run(cfg)
+        cfg = load_config(compose(config_name="config", overrides=overrides))
+    c, state = build(cfg)
     T = cfg.trainer.temperature
     records: list[dict] = []
-    anchors = run.anchors
+    anchors = c.learner.anchors
 
-    def recording_anchors(rb):
-        recompute = run.policy.logprobs(rb.policy_batch(), T)
-        out_ = anchors(rb)
+    def recording_anchors(rb, version):
+        recompute = c.policy.logprobs(rb.policy_batch(), T)
+        out_ = anchors(rb, version)
         records.append({"tokens": rb.tokens, "mask": rb.loss_mask, "versions": rb.versions,
-                        "old": out_.get("old_logp"), "recompute": recompute, "version": run.version})
+                        "old": out_.get("old_logp"), "recompute": recompute, "version": version})
         return out_
 
-    run.anchors = recording_anchors
-    if run.engine is not None:  # rank 0: an engine slower than the trainer, made deterministic
+    c.learner.anchors = recording_anchors
+    if c.engine is not None:  # rank 0: an engine slower than the trainer, made deterministic
         # generation is paused (KV cache kept) from shortly after a round is handed over until the weight sync:
         # by then a few samples of the rounds ahead have finished (stale when consumed) and one is half-way, so
         # each sync lands mid-sample and that sample spans two versions (interrupt mode restarts it instead)
-        generate, sync = run.next_batch, run.sync_weights
-        wait_for = _local_progress if hasattr(run.engine, "_batch") else _remote_progress
+        generate, publish = c.rounds.next, c.weights.publish
+        wait_for = _local_progress if hasattr(c.engine, "_batch") else _remote_progress
 
-        def held_generate(n):
-            out_ = generate(n)
+        def held_generate(n, st):
+            out_ = generate(n, st)
             deadline = time.monotonic() + 10.0
-            while not wait_for(run) and time.monotonic() < deadline:
+            while not wait_for(c, st) and time.monotonic() < deadline:
                 time.sleep(0.005)
-            run.engine.pause("in_place")
+            c.engine.pause("in_place")
             return out_
 
-        def resuming_sync(bump=True):
-            out_ = sync(bump)
-            run.engine.resume()
+        def resuming_publish(st):
+            out_ = publish(st)
+            c.engine.resume()
             return out_
 
-        run.next_batch, run.sync_weights = held_generate, resuming_sync
-    train(run)
+        c.rounds.next, c.weights.publish = held_generate, resuming_publish
+    train(c, state)
 
     from mcore_rl.policy.policy import Policy
     from mcore_rl.rollout.weight_sync.disk_sync import versioned_dir
     from mcore_rl.trainer.setup import policy_config
 
     versions = sorted({v for r in records for v in r["versions"][r["mask"] > 0].tolist()})
-    ref_pol = Policy(run.model_dir, policy_config(cfg), trainable=False)
+    ref_pol = Policy(c.model_dir, policy_config(cfg), trainable=False)
     refs = [torch.zeros_like(r["mask"]) for r in records]
     sync_dir = Path(cfg.rollout.sync_dir)
     for v in versions:
-        ref_pol.load_hf(run.model_dir if v == 0 else versioned_dir(sync_dir, v))
+        ref_pol.load_hf(c.model_dir if v == 0 else versioned_dir(sync_dir, v))
         for r, ref in zip(records, refs):
             from mcore_rl.policy.step import PolicyBatch as PB
 
@@ -108,7 +109,7 @@ def main(out: str, overrides: list[str]) -> None:
     if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank() == 0):
         return
-    res = {"source": run.algorithm.config.old_logp_source, "rounds": len(records), "rows": 0, "spanning_rows": 0, "stale_tokens": 0, "tokens": 0,
+    res = {"source": cfg.algorithm.old_logp_source, "rounds": len(records), "rows": 0, "spanning_rows": 0, "stale_tokens": 0, "tokens": 0,
            "max_diff": 0.0, "recompute_max_diff": 0.0, "recompute_max_diff_stale": 0.0, "versions": versions}
     for r, ref in zip(records, refs):
         m = r["mask"] > 0

@@ -52,12 +52,10 @@ def test_eval_sets_logged_per_set_and_equal_to_mcore_rl_eval(tmp_path):
 ])
 def test_eval_sets_bad_input_is_one_line_error(eval_cfg, message):
     """Checked when the prompt source is built, before the model loads (in-process: the CLI path is above)."""
-    from omegaconf import OmegaConf
-
+    from mcore_rl.config import EvalConfig
     from mcore_rl.trainer.prompts import PromptSource
     from mcore_rl.trainer.setup import ConfigError
 
-    cfg = OmegaConf.create({"eval": {"num_prompts": 4, "data": None, **eval_cfg}})
     with pytest.raises(ConfigError) as err:
-        PromptSource._eval_set_specs(cfg)
+        PromptSource._eval_set_specs(EvalConfig(**{"num_prompts": 4, "data": None, **eval_cfg}))
     assert message in str(err.value) and "\n" not in str(err.value)

@@ -21,10 +21,11 @@ pytestmark = pytest.mark.e2e
 
 
 def test_model_compile_reaches_the_build_config():
+    from mcore_rl.config import load_config
     from mcore_rl.trainer.setup import build_config
 
-    assert build_config(compose(["model=tiny"])).compile is True  # the default
-    assert build_config(compose(["model=tiny", "model.compile=false"])).compile is False
+    assert build_config(load_config(compose(["model=tiny"]))).compile is True  # the default
+    assert build_config(load_config(compose(["model=tiny", "model.compile=false"]))).compile is False
 
 
 def test_set_compile_switches_the_compiled_functions(monkeypatch):

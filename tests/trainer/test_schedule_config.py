@@ -7,9 +7,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from mcore_rl.algorithms import build_algorithm
+from mcore_rl.config import ConfigError, load_config
 from mcore_rl.train import CONFIG_DIR
 from mcore_rl.trainer.schedule import SCHEDULES
-from mcore_rl.trainer.setup import ConfigError, algorithm_spec, validate_config
 
 
 def _cfg(*overrides: str):
@@ -20,7 +20,7 @@ def _cfg(*overrides: str):
 @pytest.mark.parametrize("name", ["sync", "staged", "async"])
 def test_schedule_group_selects_a_registered_schedule(name):
     cfg = _cfg(f"schedule={name}")
-    alg = build_algorithm(algorithm_spec(cfg))
+    alg = build_algorithm(load_config(cfg).algorithm)
     assert alg.config.schedule == name and name in SCHEDULES
     if name == "async":
         assert (alg.config.max_staleness, alg.config.stale_policy) == (2, "drop")
@@ -29,13 +29,12 @@ def test_schedule_group_selects_a_registered_schedule(name):
 def test_max_response_len_defaults_to_max_new_tokens():
     # dr_grpo's seq-mean-token-sum-norm needs L_max: null now means the rollout's own cap
     cfg = _cfg("algorithm=dr_grpo", "algorithm.max_response_len=null", "trainer.max_new_tokens=37")
-    validate_config(cfg)
-    assert build_algorithm(algorithm_spec(cfg)).config.max_response_len == 37
-    assert build_algorithm(algorithm_spec(_cfg("algorithm=dr_grpo"))).config.max_response_len == 4096  # explicit
+    assert build_algorithm(load_config(cfg).algorithm).config.max_response_len == 37
+    assert build_algorithm(load_config(_cfg("algorithm=dr_grpo")).algorithm).config.max_response_len == 4096
 
 
 def test_async_without_staleness_is_a_config_error():
     with pytest.raises(ConfigError, match="schedule=async needs max_staleness >= 1"):
-        validate_config(_cfg("schedule=async", "algorithm.max_staleness=0"))
+        load_config(_cfg("schedule=async", "algorithm.max_staleness=0"))
     with pytest.raises(ConfigError, match="stale_policy"):
-        validate_config(_cfg("schedule=async", "algorithm.stale_policy=keep"))
+        load_config(_cfg("schedule=async", "algorithm.stale_policy=keep"))

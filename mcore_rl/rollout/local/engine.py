@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.dtypes import SHORT_OR_LONG, long_name
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
 from mcore_rl.rollout.local.kv_cache import check_full_attention
 from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample
@@ -38,7 +39,6 @@ from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
 log = logging.getLogger(__name__)
 # standalone, `auto` means fp32; inside a training run the trainer resolves it to its own dtype first
-_DTYPE_ALIASES = {"auto": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -87,9 +87,9 @@ class LocalEngine:
             raise FileNotFoundError(f"model_path {model_path} is not an HF folder (no config.json)")
         self.model_path = str(model_path)
         self.device = resolve_device(device)
-        name = _DTYPE_ALIASES.get(dtype, dtype)
-        if name not in ("float32", "bfloat16", "float16"):
+        if dtype != "auto" and dtype not in SHORT_OR_LONG:
             raise ValueError(f"rollout.dtype={dtype!r}: expected auto, float32, bfloat16 or float16")
+        name = "float32" if dtype == "auto" else long_name(dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, name), attn_implementation="sdpa"
         ).to(self.device)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO
 
 from mcore_rl.api_key import API_KEY_ENV
+from mcore_rl.config.rollout import SGLangLauncherSettings
 from mcore_rl.rollout.sglang.placement import Placement, place_servers
 
 log = logging.getLogger(__name__)
@@ -88,58 +89,45 @@ def http_ok(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-@dataclass
-class LauncherConfig:
+@dataclass(kw_only=True)
+class LauncherConfig(SGLangLauncherSettings):
+    """Everything the launcher needs: the user's `rollout.launcher.*` settings (SGLangLauncherSettings: their one
+    definition, defaults and checks) plus what the engine and trainer fill in. Two defaults differ for
+    programmatic use (tools, tests): free ports and no extra server flags."""
+
     model_path: str
-    num_servers: int = 1
-    tp_size: int = 1
-    host: str = "127.0.0.1"
     base_port: int = 0  # 0: pick free ports
-    server: str = "sglang"  # a key of COMMANDS
-    command: list[str] | None = None  # a template of its own instead of COMMANDS[server]
     extra_args: list[str] = field(default_factory=list)
-    gpu_ids: list[int] | None = None  # server i gets gpu_ids[i*tp : (i+1)*tp] as CUDA_VISIBLE_DEVICES
-    router: bool = False
+    command: list[str] | None = None  # a template of its own instead of COMMANDS[server]
     router_port: int = 0
     router_command: list[str] = field(default_factory=lambda: list(ROUTER_COMMAND))
-    log_dir: str = "rollout_logs"
-    health_timeout_s: float = 900.0
     monitor: bool = True
     monitor_interval_s: float = 2.0
-    max_restarts: int = 3
     env: dict[str, str] = field(default_factory=dict)
     memory_saver: bool = False  # the schedule releases engine memory between rounds
     deterministic: bool = False  # seeded sampling requested
     api_key: str | None = field(default=None, repr=False)
-    colocate: bool = False  # servers share the trainer's GPUs (memory saver on) instead of the next ones
-    mem_fraction_static: float | None = None  # SGLang's --mem-fraction-static; None: 0.5 colocated, 0.85 dedicated
     trainer_gpus: int | None = None  # trainer processes on this node (None: $LOCAL_WORLD_SIZE, else 1)
     # give each server its own GPUs (placement.py); None: yes for SGLang's own command, no for the CPU stand-in
     # and for a custom `command` (those follow explicit gpu_ids only)
     place_gpus: bool | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.place_gpus is None:
             self.place_gpus = self.command is None and self.server in GPU_SERVERS
         if self.command is None:
             if self.server not in COMMANDS:
                 raise ValueError(f"rollout.launcher.server={self.server!r}: expected one of {sorted(COMMANDS)}")
             self.command = list(COMMANDS[self.server])
-        if self.num_servers < 1:
-            raise ValueError(f"LauncherConfig.num_servers={self.num_servers} must be >= 1")
         if self.gpu_ids is not None and len(self.gpu_ids) < self.num_servers * self.tp_size:
             raise ValueError(
                 f"LauncherConfig.gpu_ids has {len(self.gpu_ids)} GPUs for {self.num_servers} x tp {self.tp_size}"
             )
         if self.mem_fraction_static is None:
             self.mem_fraction_static = MEM_FRACTION["colocated" if self.colocate else "dedicated"]
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"rollout.launcher.mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
         if self.colocate:
             self.memory_saver = True  # the trainer needs the memory back between rounds
-        if any(str(a).split("=")[0] == "--mem-fraction-static" for a in self.extra_args):
-            raise ValueError("rollout.launcher.extra_args sets --mem-fraction-static; use "
-                             "rollout.launcher.mem_fraction_static instead")
 
 
 @dataclass

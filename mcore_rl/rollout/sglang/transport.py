@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from mcore_rl.api_key import bearer_header
+from mcore_rl.config.rollout import SGLangRolloutConfig as _Settings
 from mcore_rl.rollout.sglang.api import check_payload
 
 log = logging.getLogger(__name__)
@@ -32,14 +33,15 @@ class SGLangHTTPError(RuntimeError):
 class SGLangClientConfig:
     worker_urls: list[str]
     router_url: str | None = None  # /generate goes here when set; control calls always go to every worker
-    max_concurrency: int = 32  # concurrent HTTP requests
-    batch_size: int = 16  # samples per /generate call to a worker (a router gets one sample per call)
-    timeout_s: float = 3600.0  # a /generate call
-    control_timeout_s: float = 600.0  # weight updates, pause, health
-    retries: int = 3
-    backoff_s: float = 0.5
+    # the tunables' defaults are rollout.*'s (SGLangRolloutConfig): one definition for the trainer and tools
+    max_concurrency: int = _Settings.max_concurrency  # concurrent HTTP requests
+    batch_size: int = _Settings.batch_size  # samples per /generate call to a worker (a router gets one per call)
+    timeout_s: float = _Settings.timeout_s  # a /generate call
+    control_timeout_s: float = _Settings.control_timeout_s  # weight updates, pause, health
+    retries: int = _Settings.retries
+    backoff_s: float = _Settings.backoff_s
     backoff_max_s: float = 10.0
-    stale_retries: int = 8  # times one sample is generated again after coming back with stale weights
+    stale_retries: int = _Settings.stale_retries  # a sample coming back on stale weights is generated again
     seeded: bool = True  # send sampling_seed (SGLang needs --enable-deterministic-inference to honour it)
     api_key: str | None = None  # `Authorization: Bearer` on every call (mcore_rl.api_key); repr hides it
 

@@ -12,32 +12,40 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from mcore_rl.registry import Registry
 from mcore_rl.rollout.protocol import GenerationRequest, Sample, SamplingParams
+from mcore_rl.trainer.state import RunState
 
 log = logging.getLogger("mcore_rl")
 
-SCHEDULES: dict[str, type[Schedule]] = {}
+SCHEDULES: Registry[type[Schedule]] = Registry("algorithm.schedule", {
+    "sync": "mcore_rl.trainer.schedule.sync", "staged": "mcore_rl.trainer.schedule.staged",
+    "async": "mcore_rl.trainer.schedule.pipeline"})
 
 
-def register_schedule(name: str) -> Callable[[type[Schedule]], type[Schedule]]:
-    def deco(cls: type[Schedule]) -> type[Schedule]:
-        cls.name = name
-        SCHEDULES[name] = cls
-        return cls
-
-    return deco
+def schedule_class(name: str) -> type[Schedule]:
+    """The schedule registered as `name` (algorithm.schedule); its class is needed before the engine exists
+    (`engine_options`), the instance after."""
+    return SCHEDULES.get(name)
 
 
-def build_schedule(run) -> Schedule:
-    name = run.algorithm.config.schedule
-    if name not in SCHEDULES:
-        raise ValueError(f"algorithm.schedule={name!r}: expected one of {sorted(SCHEDULES)}")
-    return SCHEDULES[name](run)
+@dataclass
+class ScheduleContext:
+    """What a schedule works with. `engine`/`data` (the prompt source) exist on rank 0 only (None elsewhere):
+    only rank 0 generates; every rank asks `updates_per_round` and `depth`."""
+
+    algorithm: Any                  # the algorithm's config: schedule, updates_per_*, max_staleness, stale_policy
+    trainer: Any                    # TrainerConfig: prompts/samples per update, sampling settings
+    seed: int
+    deterministic: bool
+    state: RunState                 # read only: the round and weight version the trainer is at
+    stop: Any                       # StopFlag: generation waits give up when a stop is requested
+    engine: Any = None
+    data: Any = None
 
 
 @dataclass
@@ -87,10 +95,10 @@ class Schedule:
     name: ClassVar[str] = ""
     depth: int = 0                       # rounds generated ahead of the one being consumed
 
-    def __init__(self, run) -> None:
-        self.run = run
-        self.cfg = run.cfg
-        self.deterministic = run.deterministic
+    def __init__(self, ctx: ScheduleContext) -> None:
+        self.ctx = ctx
+        self.trainer, self.state, self.engine, self.data = ctx.trainer, ctx.state, ctx.engine, ctx.data
+        self.deterministic = ctx.deterministic
         self.pending: deque[_Round] = deque()
         self.requeued: list = []          # prompts to generate again first (async stale_policy=requeue)
         self.next_index = 0               # round index of the next submission (seeds derive from it)
@@ -98,9 +106,10 @@ class Schedule:
     # ---- what the loop asks ---------------------------------------------------------------------------
     @property
     def updates_per_round(self) -> int:
-        return self.run.algorithm.config.updates_per_rollout
+        return self.ctx.algorithm.updates_per_rollout
 
-    def engine_options(self, options: dict) -> dict:
+    @staticmethod
+    def engine_options(options: dict) -> dict:
         """Engine constructor kwargs, adjusted for this schedule (staged: SGLang needs its memory saver)."""
         return options
 
@@ -117,7 +126,7 @@ class Schedule:
     def next_round(self, num_updates: int) -> Generated | None:
         """The oldest round, complete; None when a stop signal arrived first (everything in flight aborted)."""
         if not self.pending:
-            self.next_index = max(self.next_index, self.run.round)
+            self.next_index = max(self.next_index, self.state.round)
         self._fill(num_updates)
         rnd = self.pending[0]
         if not self._wait(rnd.futures()):
@@ -135,11 +144,11 @@ class Schedule:
         """More samples now, for the round being consumed (DAPO dynamic sampling); None if stopped."""
         if self.deterministic and not self._wait(self._all_futures()):
             return None  # deterministic: the engine's batch never mixes this draw with timing-dependent work
-        index = self.run.round
-        rnd = _Round(index, self._requests(self.run.data.next_prompts(num_prompts), index, salt))
+        index = self.state.round
+        rnd = _Round(index, self._requests(self.data.next_prompts(num_prompts), index, salt))
         self._submit([rnd])
         if not self._wait(rnd.futures()):
-            self.run.engine.abort(None)
+            self.engine.abort(None)
             return None
         return Generated(index, [r.prompt for r in rnd.requests], [s for r in rnd.requests for s in r.result()])
 
@@ -151,12 +160,12 @@ class Schedule:
         """Top `pending` up to depth + 1 rounds, all new rounds in ONE engine call (a deterministic batch)."""
         new = []
         while len(self.pending) + len(new) < self.depth + 1:
-            n = num_updates * self.cfg.trainer.prompts_per_update
+            n = num_updates * self.trainer.prompts_per_update
             prompts = self.requeued[:n]
             self.requeued = self.requeued[n:]
             if len(prompts) < n:
-                per = self.cfg.trainer.prompts_per_update
-                fresh = self.run.data.next_prompts(-(-(n - len(prompts)) // per) * per)
+                per = self.trainer.prompts_per_update
+                fresh = self.data.next_prompts(-(-(n - len(prompts)) // per) * per)
                 prompts, spare = prompts + fresh[:n - len(prompts)], fresh[n - len(prompts):]
                 self.requeued = spare + self.requeued
             new.append(_Round(self.next_index, self._requests(prompts, self.next_index)))
@@ -168,19 +177,19 @@ class Schedule:
             self.pending.extend(new)
 
     def _requests(self, prompts: list, index: int, salt: int = 0) -> list[_Request]:
-        base = (self.cfg.seed * 1_000_003 + index) * 10_007 + salt * 1_000_000_007
+        base = (self.ctx.seed * 1_000_003 + index) * 10_007 + salt * 1_000_000_007
         tag = f"r{index}" + (f"x{salt}" if salt else "")
         return [_Request(p, base + i, f"{tag}-{i}") for i, p in enumerate(prompts)]
 
     def _submit(self, rounds: list[_Round]) -> None:
-        t = self.cfg.trainer
+        t = self.trainer
         todo = [r for rnd in rounds for r in rnd.requests if r.samples is None]
         reqs = [GenerationRequest(prompt_ids=r.prompt.prompt_ids, rid=r.rid, sampling=SamplingParams(
             max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_p=t.top_p, n=t.samples_per_prompt,
-            seed=r.seed, stop_token_ids=self.run.data.stop_token_ids)) for r in todo]
+            seed=r.seed, stop_token_ids=self.data.stop_token_ids)) for r in todo]
         if not reqs:
             return
-        futures = self.run.engine.submit(reqs)
+        futures = self.engine.submit(reqs)
         G = t.samples_per_prompt
         for i, r in enumerate(todo):
             r.futures = futures[i * G:(i + 1) * G]
@@ -192,7 +201,7 @@ class Schedule:
         """Wait for `futures`; False as soon as a stop signal is requested."""
         todo = set(futures)
         while todo:
-            if self.run.stop.requested:
+            if self.ctx.stop.requested:
                 return False
             _, todo = wait(todo, timeout=poll_s)
         return True
@@ -202,10 +211,22 @@ class Schedule:
         resume (state_dict lists them), so the data cursor never moves back."""
         if not self.pending:
             return
-        self.run.engine.abort(None)
+        self.engine.abort(None)
         wait(self._all_futures(), timeout=120)
         if why:
             log.warning(why)
+
+    def finished_samples(self) -> list[Sample]:
+        """The finished, not yet consumed samples of the rounds in flight (the old-log-prob source scores them
+        as they complete)."""
+        out = []
+        for rnd in self.pending:
+            for r in rnd.requests:
+                if r.futures is None:  # restored from a checkpoint: already collected
+                    out.extend(r.samples or [])
+                    continue
+                out.extend(f.result() for f in r.futures if f.done() and not f.cancelled() and f.exception() is None)
+        return out
 
     def close(self) -> None:
         self.abort()
@@ -223,7 +244,7 @@ class Schedule:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the in-flight rounds; requests without samples are submitted again with their own seeds."""
-        lookup = self.run.data.lookup
+        lookup = self.data.lookup
         self.next_index = int(state["next_index"])
         self.requeued = [lookup(pid) for pid in state["requeued"]]
         self.pending = deque(_Round(int(rnd["index"]), [

@@ -15,9 +15,7 @@ submitted round. Both are counted in the metrics.
 
 from __future__ import annotations
 
-from mcore_rl.trainer.schedule.base import Generated, Schedule, _Round, register_schedule
-
-STALE_POLICIES = ("drop", "requeue")
+from mcore_rl.trainer.schedule.base import SCHEDULES, Generated, Schedule, ScheduleContext, _Round
 
 
 def staleness(version: int, samples) -> int:
@@ -26,22 +24,23 @@ def staleness(version: int, samples) -> int:
     return version - oldest
 
 
-@register_schedule("async")
+@SCHEDULES.register("async")
 class AsyncSchedule(Schedule):
-    def __init__(self, run) -> None:
-        super().__init__(run)
-        c = run.algorithm.config
+    name = "async"
+    def __init__(self, ctx: ScheduleContext) -> None:
+        super().__init__(ctx)
+        c = ctx.algorithm
         self.depth = c.max_staleness
         self.max_staleness = c.max_staleness
         self.policy = c.stale_policy
         self.totals = {"stale_dropped_total": 0.0, "stale_requeued_total": 0.0}
 
     def before_sync(self) -> None:
-        if self.deterministic and self.run.engine is not None:
+        if self.deterministic and self.engine is not None:
             self._wait(self._all_futures())
 
     def _accept(self, rnd: _Round) -> Generated:
-        version = self.run.version
+        version = self.state.version
         fresh, lags = [], []
         for r in rnd.requests:
             lag = staleness(version, r.result())

@@ -3,26 +3,28 @@ while the trainer runs (with SGLang that needs the launcher's memory saver, swit
 
 from __future__ import annotations
 
-from mcore_rl.trainer.schedule.base import Schedule, register_schedule
+from mcore_rl.trainer.schedule.base import SCHEDULES, Schedule
 
 
-@register_schedule("staged")
+@SCHEDULES.register("staged")
 class StagedSchedule(Schedule):
+    name = "staged"
     depth = 0
 
     @property
     def updates_per_round(self) -> int:
-        return self.run.algorithm.config.updates_per_stage
+        return self.ctx.algorithm.updates_per_stage
 
-    def engine_options(self, options: dict) -> dict:
+    @staticmethod
+    def engine_options(options: dict) -> dict:
         if isinstance(options.get("launcher"), dict):  # SGLang releases memory only with a saver
             options["launcher"]["memory_saver"] = True
         return options
 
     def before_train(self) -> None:
-        if self.run.engine is not None:
-            self.run.engine.release_memory()
+        if self.engine is not None:
+            self.engine.release_memory()
 
     def after_train(self) -> None:
-        if self.run.engine is not None:
-            self.run.engine.resume_memory()
+        if self.engine is not None:
+            self.engine.resume_memory()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from mcore_rl.trainer.schedule.base import Schedule, register_schedule
+from mcore_rl.trainer.schedule.base import SCHEDULES, Schedule
 
 
-@register_schedule("sync")
+@SCHEDULES.register("sync")
 class SyncSchedule(Schedule):
+    name = "sync"
     depth = 0

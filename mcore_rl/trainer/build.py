@@ -1,0 +1,230 @@
+"""`build(cfg)`: a run's components from its typed config, each given only the settings and parts it uses.
+
+Rank 0 owns the rollout engine, the prompts, the reward and the compute meter (None on the other ranks); every
+rank owns its policy shard. The order matters only where a part needs another: the prompts load before the model
+(a missing data field fails in seconds), the engine follows the policy (it runs in the policy's resolved dtype),
+and the run resumes last, once every stateful part exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcore_rl.algorithms import Algorithm, build_algorithm
+from mcore_rl.config import MainConfig, TrainerConfig
+from mcore_rl.config.trainer import resolve_deterministic
+from mcore_rl.distributed import broadcast_object, describe_groups, init_distributed
+from mcore_rl.policy.policy import Policy
+from mcore_rl.policy.precision import resolve_dtype
+from mcore_rl.trainer.checkpointer import Checkpointer
+from mcore_rl.trainer.heldout import Evaluator
+from mcore_rl.trainer.learner import Learner
+from mcore_rl.trainer.models import load_policies, make_engine
+from mcore_rl.trainer.rounds import PromptsLog, Rounds
+from mcore_rl.trainer.runlog import RunLog
+from mcore_rl.trainer.schedule import Schedule, ScheduleContext, schedule_class
+from mcore_rl.trainer.setup import ConfigError, StopFlag, check_model_against_parallel, resolve_model_dir
+from mcore_rl.trainer.state import RunState
+from mcore_rl.trainer.update import NonFiniteGuard
+from mcore_rl.trainer.weights import WeightSync, sync_options
+
+log = logging.getLogger("mcore_rl")
+
+
+@dataclass
+class Components:
+    """Everything a run is made of; trainer/loop.py calls them in the order of an RL round."""
+
+    settings: TrainerConfig
+    rank: int
+    run_dir: Path
+    model_dir: Path
+    policy: Policy
+    algorithm: Algorithm
+    schedule: Schedule
+    oldlogp: Any  # mcore_rl.oldlogp source: the round's old log-probs
+    rounds: Rounds  # generate + score (rank 0), broadcast
+    learner: Learner  # anchors + optimizer updates
+    weights: WeightSync  # new weights into the engine, versions to the old-log-prob source
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    runlog: RunLog
+    prompts_log: PromptsLog
+    stop: StopFlag
+    engine: Any = None  # rank 0
+    reward_fn: Any = None  # rank 0
+
+    def close(self) -> None:
+        """Rank 0 at the end: rounds generated ahead that no update will consume, logs, reward workers, engine."""
+        if self.rank != 0:
+            return
+        self.schedule.close()
+        self.prompts_log.close()
+        self.runlog.close()
+        self.reward_fn.close()
+        self.engine.close()
+
+
+@dataclass(frozen=True)
+class Layout:
+    rank: int
+    dp: int
+    dp_rank: int
+    run_dir: Path
+
+
+def _preflight(cfg: MainConfig) -> bool:
+    """One-line errors before anything heavy; returns whether the run is deterministic (trainer.deterministic)."""
+    import os
+
+    from mcore_rl.rollout.sglang.preflight import missing_server
+
+    # rollout=sglang launching servers here without SGLang installed: only the launching rank (global 0) checks
+    if os.environ.get("RANK", "0") == "0" and (msg := missing_server(dataclasses.asdict(cfg.rollout))):
+        raise ConfigError(msg)
+    deterministic = resolve_deterministic(cfg.trainer.deterministic, cfg.rollout.engine)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    return deterministic
+
+
+def _distributed(cfg: MainConfig) -> Layout:
+    p = cfg.parallel
+    layout = init_distributed(p.tp, p.pp, seed=cfg.seed, ep=p.ep, timeout_s=cfg.trainer.dist_timeout_s)
+    log.warning(describe_groups())
+    from megatron.core import parallel_state as ps
+
+    return Layout(
+        layout.rank,
+        layout.dp,
+        ps.get_data_parallel_rank(),
+        Path(broadcast_object(str(Path(cfg.run.dir).resolve()))),
+    )
+
+
+def _prompt_source(cfg: MainConfig, model_dir: Path) -> Any:
+    from mcore_rl.trainer.prompts import PromptSource
+
+    t = cfg.trainer
+    return PromptSource(
+        cfg.data,
+        cfg.eval,
+        model_dir,
+        seed=cfg.seed,
+        prompts_per_update=t.prompts_per_update,
+        max_new_tokens=t.max_new_tokens,
+        retire_pass_rate=cfg.algorithm.retire_pass_rate,
+    )
+
+
+def config_record(cfg: MainConfig, dtype: str) -> MainConfig:
+    """The config as the run used it (run.dir/config.yaml, wandb): model.dtype as resolved (auto -> measured)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+
+
+def build(cfg: MainConfig) -> tuple[Components, RunState]:
+    """Every component, the run resumed from its newest checkpoint (trainer.resume=auto) or fresh."""
+    deterministic = _preflight(cfg)
+    model_dir = resolve_model_dir(cfg.model)
+    check_model_against_parallel(cfg, model_dir)
+    lay = _distributed(cfg)
+    algorithm = build_algorithm(cfg.algorithm)
+    sched_cls = schedule_class(cfg.algorithm.schedule)
+    data = _prompt_source(cfg, model_dir) if lay.rank == 0 else None  # before the model: data errors fail fast
+    dtype = resolve_dtype(cfg.model.dtype)  # auto -> measured once; every part below gets the resolved value
+    p = _Parts(*load_policies(cfg, model_dir, dtype, algorithm), engine=None, reward_fn=None, data=data, compute=None)
+    if lay.rank == 0:
+        from mcore_rl.evaluation.compute import ComputeMeter, model_flops
+        from mcore_rl.rewards import build_reward
+
+        p.engine = make_engine(cfg.rollout, sched_cls, model_dir, dtype, deterministic, cfg.seed)
+        p.reward_fn = build_reward(cfg.reward)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        p.compute = ComputeMeter(model_flops(model_dir), world, torch.cuda.is_available())
+    record = config_record(cfg, dtype)
+    runlog = RunLog(lay.run_dir, cfg.logging, cfg.trainer.steps, lay.rank == 0, dataclasses.asdict(record))
+    state, stop = RunState(), StopFlag()
+    stop.install()
+    ctx = ScheduleContext(cfg.algorithm, cfg.trainer, cfg.seed, deterministic, state, stop, p.engine, data)
+    schedule = sched_cls(ctx)
+    oldlogp = _oldlogp_source(cfg, model_dir, dtype, p.policy, p.engine, schedule.depth)
+    c = _assemble(cfg, lay, model_dir, algorithm, schedule, oldlogp, p, stop, runlog)
+    c.checkpointer.restore(state)
+    if lay.rank == 0:
+        from omegaconf import OmegaConf
+
+        (lay.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(record)))
+    return c, state
+
+
+def _oldlogp_source(
+    cfg: MainConfig, model_dir: Path, dtype: str, policy: Policy, engine: Any, depth: int
+) -> Any:
+    from mcore_rl.oldlogp import SourceContext, build_source
+    from mcore_rl.trainer.setup import policy_config
+
+    ac = cfg.algorithm
+    return build_source(
+        ac.old_logp_source,
+        SourceContext(
+            policy=policy,
+            temperature=cfg.trainer.temperature,
+            staleness=depth,
+            engine=engine,
+            make_policy=lambda: Policy(model_dir, policy_config(cfg, dtype), trainable=False),
+            audit_frac=ac.old_logp_audit_frac,
+            seed=cfg.seed,
+        ),
+    )
+
+
+@dataclass
+class _Parts:
+    """The pieces several components share; the rank-0 ones (engine, reward, data, compute) are None elsewhere."""
+
+    policy: Policy
+    ref: Any
+    ewma: Any
+    engine: Any
+    reward_fn: Any
+    data: Any
+    compute: Any
+
+
+def _round_parts(
+    cfg: MainConfig, lay: Layout, algorithm: Algorithm, schedule: Schedule, oldlogp: Any, p: _Parts
+) -> tuple[Rounds, Learner, PromptsLog]:
+    t = cfg.trainer
+    passes = int(algorithm.needs_old_logp) + int(p.ref is not None) + int(p.ewma is not None)
+    rounds = Rounds(schedule, lay.rank, t.samples_per_prompt, t.prompts_per_update, cfg.algorithm, data=p.data,
+                    reward_fn=p.reward_fn, compute=p.compute, engine=p.engine, scoring_passes=passes)  # fmt: skip
+    prompts_log = PromptsLog(lay.run_dir / "prompts.jsonl", enabled=lay.rank == 0)
+    guard = NonFiniteGuard(max_consecutive=t.max_nonfinite_skips)
+    learner = Learner(p.policy, algorithm, oldlogp, guard, t.temperature, lay.dp, lay.dp_rank, prompts_log,
+                      ref=p.ref, ewma=p.ewma)  # fmt: skip
+    return rounds, learner, prompts_log
+
+
+def _assemble(
+    cfg: MainConfig, lay: Layout, model_dir: Path, algorithm: Algorithm, schedule: Schedule, oldlogp: Any,
+    p: _Parts, stop: StopFlag, runlog: RunLog,
+) -> Components:  # fmt: skip
+    t = cfg.trainer
+    rounds, learner, prompts_log = _round_parts(cfg, lay, algorithm, schedule, oldlogp, p)
+    finished = schedule.finished_samples if lay.rank == 0 else None
+    weights = WeightSync(p.policy, p.engine, cfg.rollout.sync_mode, sync_options(cfg.rollout, model_dir),
+                         t.sync_weights, oldlogp, finished)  # fmt: skip
+    evaluator = Evaluator(cfg.eval, lay.run_dir, runlog, engine=p.engine, reward_fn=p.reward_fn, data=p.data,
+                          compute=p.compute)  # fmt: skip
+    checkpointer = Checkpointer(lay.run_dir, t, lay.rank, p.policy, algorithm, schedule, oldlogp, weights,
+                                ewma=p.ewma, data=p.data, compute=p.compute,
+                                from_mcore_ckpt=bool(cfg.model.mcore_ckpt))  # fmt: skip
+    return Components(t, lay.rank, lay.run_dir, model_dir, p.policy, algorithm, schedule, oldlogp, rounds, learner,
+                      weights, evaluator, checkpointer, runlog, prompts_log, stop, engine=p.engine,
+                      reward_fn=p.reward_fn)  # fmt: skip

@@ -1,0 +1,95 @@
+"""The trainer's side of a round on every rank: the anchors (old / reference log-probs) the loss compares against,
+and the round's optimizer updates, each on this data-parallel rank's share of its prompt groups."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from mcore_rl.algorithms import Algorithm
+from mcore_rl.batch import RolloutBatch, update_rows
+from mcore_rl.trainer.rounds import PromptsLog
+from mcore_rl.trainer.update import NonFiniteGuard, run_update
+
+
+def _last_stage(logp: torch.Tensor | None, rb: RolloutBatch) -> torch.Tensor:
+    """Log-probs exist on the last PP stage only; other stages get zeros (they never evaluate the loss)."""
+    return logp if logp is not None else torch.zeros_like(rb.rollout_logp)
+
+
+class Learner:
+    """`ref`: the frozen reference policy (KL); `ewma`: PPO-EWMA's proximal weights; `oldlogp`: the old-log-prob
+    source (mcore_rl/oldlogp) the algorithm's `old_logp_source` names."""
+
+    def __init__(
+        self,
+        policy: Any,
+        algorithm: Algorithm,
+        oldlogp: Any,
+        guard: NonFiniteGuard,
+        temperature: float,
+        dp: int,
+        dp_rank: int,
+        prompts_log: PromptsLog,
+        ref: Any = None,
+        ewma: Any = None,
+    ) -> None:
+        self.policy, self.algorithm, self.oldlogp, self.guard = policy, algorithm, oldlogp, guard
+        self.temperature, self.dp, self.dp_rank, self.prompts_log = temperature, dp, dp_rank, prompts_log
+        self.ref, self.ewma = ref, ewma
+
+    def anchors(self, rb: RolloutBatch, version: int) -> dict[str, torch.Tensor]:
+        """old_logp (from the source; None = anchor on the engine's rollout log-probs) and ref_logp, whole round."""
+        out: dict[str, torch.Tensor] = {}
+        old = self.oldlogp.old_logp(rb, version)
+        if old is not None or self.algorithm.needs_old_logp:
+            out["old_logp"] = _last_stage(old, rb)
+        if self.ref is not None:
+            out["ref_logp"] = _last_stage(self.ref.logprobs(rb.policy_batch(), self.temperature), rb)
+        return out
+
+    def _prox_logp(self, rb: RolloutBatch) -> torch.Tensor:
+        """PPO-EWMA: proximal log-probs under the current EWMA weights."""
+        with self.ewma.swapped_in(list(self.policy.model.parameters())):
+            logp = self.policy.logprobs(rb.policy_batch(), self.temperature)
+        return _last_stage(logp, rb)
+
+    def update(
+        self,
+        rb: RolloutBatch,
+        adv: Any,
+        anchors: dict[str, torch.Tensor],
+        u: int,
+        n_up: int,
+        update_index: int,
+        round_index: int,
+        prompt_ids: list[str],
+    ) -> dict[str, float]:
+        """Optimizer update `u` of the round's `n_up` (`update_index`, 1-based, names it in logs and prompts.jsonl)."""
+        rows = update_rows(rb.group_ids, n_up, u, self.dp, self.dp_rank)
+        part = {k: v[rows] for k, v in anchors.items()}
+        t0 = time.perf_counter()
+        if self.ewma is not None:
+            part["prox_logp"] = self._prox_logp(rb.select(rows))
+        metrics = run_update(
+            self.policy,
+            self.algorithm,
+            rb.select(rows),
+            adv.advantages[rows],
+            adv.keep[rows],
+            part,
+            self.temperature,
+            self.ewma,
+            guard=self.guard,
+            update_index=update_index,
+        )
+        metrics["time_train"] = time.perf_counter() - t0
+        per = -(
+            -len(set(rb.group_ids.tolist())) // n_up
+        )  # which prompts it trained on: resumes compare these
+        self.prompts_log.log(
+            update_index, {"round": round_index, "prompt_ids": prompt_ids[u * per : (u + 1) * per]}
+        )
+        return metrics
