@@ -19,7 +19,9 @@ def make_token_likely(model: torch.nn.Module, token_id: int, boost: float, seed:
     """Shift the tied input embeddings in place (see the module docstring); needs tie_word_embeddings."""
     emb = model.get_input_embeddings().weight
     if model.get_output_embeddings().weight is not emb:
-        raise ValueError("model.tiny.likely_token needs tie_word_embeddings (the LM head reads the offset rows)")
+        raise ValueError(
+            "model.tiny.likely_token needs tie_word_embeddings (the LM head reads the offset rows)"
+        )
     c = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(seed))
     c /= c.norm()
     with torch.no_grad():
