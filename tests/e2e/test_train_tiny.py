@@ -117,11 +117,12 @@ def test_multirun_all_algorithms(tmp_path):
     ("trainer.steps=-1", "trainer.steps=-1 must be >= 0"),
     ("parallel.tp=3", "parallel.tp=3 does not divide num_attention_heads=4"),
     ("data.answer_field=solution", "solution"),
+    ("data.answer=5", "data.answer=5: needs ops=['+'] and 0 <= min_operand <= max_operand <= answer"),
 ])
 def test_bad_config_one_clear_line(override, needle, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n' * 4)
-    extra = ["data=jsonl", f"data.path={data}"] if override.startswith("data.") else []
+    extra = ["data=jsonl", f"data.path={data}"] if override.startswith("data.answer_") else []
     t0 = time.time()
     proc = run(train_cmd(*extra, override, f"run.dir={tmp_path / 'run'}"), timeout=120)
     assert proc.returncode != 0
