@@ -2,8 +2,9 @@
 
 `model=tiny` makes its token "7" likely (mcore_rl/models/tiny_task.py) and `data=sevens` asks only questions whose
 answer is 7, so about half the samples are right: groups have reward variance, advantages are non-zero and every
-algorithm and schedule takes real gradient steps. The helpers below fail a test whose run dropped every group or
-whose async schedule never ran on stale weights: what a random model on an unreachable task would do silently.
+algorithm and schedule takes real gradient steps. The helpers below fail a test whose run dropped every group in
+most updates, or whose async schedule never ran on stale weights: what a random model on an unreachable task
+would do silently.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ TINY_TASK = ["model=tiny", "data=sevens"]
 
 
 def assert_trains(recs: list[dict]) -> None:
-    """Every update kept a group with reward variance (not all dropped as zero-variance), so its advantages
-    were non-zero and it had a gradient; across the run rewards were neither all 0 nor all 1."""
+    """Groups with reward variance were kept (not every one dropped as zero-variance) in at least half the updates,
+    and each of those updates had non-zero advantages and a gradient; rewards were neither all 0 nor all 1."""
     frac = [r["adv_zero_variance_group_frac"] for r in recs]
-    assert all(f < 1 for f in frac), f"an update whose every group had equal rewards: {frac}"
-    assert all(r["adv_adv_abs_mean"] > 0 and r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
+    kept = [r for r, f in zip(recs, frac) if f < 1]
+    assert 2 * len(kept) >= len(recs), f"zero-variance group fraction per update: {frac}: little trained"
+    assert all(r["adv_adv_abs_mean"] > 0 and r["grad_norm"] > 0 for r in kept), [r["grad_norm"] for r in kept]
     assert 0 < sum(r["reward_mean"] for r in recs) < len(recs), [r["reward_mean"] for r in recs]
 
 
