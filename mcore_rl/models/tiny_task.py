@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.config.checks import ConfigError
 
-def make_token_likely(model: torch.nn.Module, token_id: int, boost: float, seed: int = 0) -> None:
-    """Shift the tied input embeddings in place (see the module docstring); needs tie_word_embeddings."""
+
+def make_token_likely(model: torch.nn.Module, tokenizer, token: str, boost: float, seed: int = 0) -> None:
+    """Shift the tied input embeddings in place so that `token` is likely (see the module docstring)."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if (
+        token_id is None
+        or token_id == tokenizer.unk_token_id
+        or tokenizer.convert_ids_to_tokens(token_id) != token
+    ):
+        raise ConfigError(f"model.tiny.likely_token={token!r} is not one token of the tokenizer")
     emb = model.get_input_embeddings().weight
     if model.get_output_embeddings().weight is not emb:
-        raise ValueError(
+        raise ConfigError(
             "model.tiny.likely_token needs tie_word_embeddings (the LM head reads the offset rows)"
         )
     c = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(seed))

@@ -69,7 +69,7 @@ def tiny_model_dir(tiny: DictConfig, cache: Path | None = None) -> Path:
     if likely is not None:
         from mcore_rl.models.tiny_task import make_token_likely
 
-        make_token_likely(model, tok.convert_tokens_to_ids(str(likely)), float(boost), seed)
+        make_token_likely(model, tok, str(likely), float(boost), seed)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
