@@ -27,8 +27,8 @@ class ArithmeticConfig(PromptStyle):
     max_operand: int = 20
     ops: list[str] = field(default_factory=lambda: ["+"])
     question: str = "What is {a} {op} {b}? Answer with just the number."
-    # set: b = answer - a (ops must be ["+"]), so every question has this answer. The task of `model=tiny`
-    # (data=sevens): its random model makes one answer likely, so rewards vary within a group and updates train
+    # set: b = answer - a (ops must be ["+"]), so every question has this answer: data=sevens, the task of
+    # `model=tiny_sevens`, whose random model makes "7" likely, so rewards vary within a group and updates train
     answer: int | None = None
 
 

@@ -1,6 +1,6 @@
 """The tiny model's task in CLI tests, and the checks that a run on it really trained.
 
-`model=tiny` makes its token "7" likely (mcore_rl/models/tiny_task.py) and `data=sevens` asks only questions whose
+`model=tiny_sevens` makes its token "7" likely (mcore_rl/models/tiny_task.py) and `data=sevens` asks only questions whose
 answer is 7, so about half the samples are right: groups have reward variance, advantages are non-zero and every
 algorithm and schedule takes real gradient steps. The helpers below fail a test whose run dropped every group in
 most updates, or whose async schedule never ran on stale weights: what a random model on an unreachable task
@@ -9,7 +9,7 @@ would do silently.
 
 from __future__ import annotations
 
-TINY_TASK = ["model=tiny", "data=sevens"]
+TINY_TASK = ["model=tiny_sevens", "data=sevens"]
 
 
 def assert_trains(recs: list[dict]) -> None:

@@ -15,7 +15,7 @@ from tests.e2e.sevens import assert_trains
 from tests.e2e.test_train_tiny import records, run
 
 pytestmark = pytest.mark.e2e
-FAST = ["model=tiny_moe", "data=sevens", "eval.num_prompts=4", "eval.samples_per_prompt=2",
+FAST = ["model=tiny_moe", "model.tiny.likely_token=7", "data=sevens", "eval.num_prompts=4", "eval.samples_per_prompt=2",
         "trainer.prompts_per_update=2", "trainer.samples_per_prompt=4", "trainer.max_new_tokens=8",
         "logging.progress=false", "algorithm.entropy_coef=0.01", "optim.lr=1e-3", "algorithm.updates_per_rollout=1",
         "trainer.steps=2"]
