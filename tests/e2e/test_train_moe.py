@@ -11,21 +11,19 @@ import textwrap
 import pytest
 
 from tests.convert.conftest import qwen3_moe_config, save_random_model
-from tests.e2e.sevens import assert_trains
 from tests.e2e.test_train_tiny import records, run
 
 pytestmark = pytest.mark.e2e
-FAST = ["model=tiny_moe", "model.tiny.likely_token=7", "data=sevens", "eval.num_prompts=4", "eval.samples_per_prompt=2",
-        "trainer.prompts_per_update=2", "trainer.samples_per_prompt=4", "trainer.max_new_tokens=8",
-        "logging.progress=false", "algorithm.entropy_coef=0.01", "optim.lr=1e-3", "algorithm.updates_per_rollout=1",
-        "trainer.steps=2"]
+FAST = ["model=tiny_moe", "eval.num_prompts=4", "eval.samples_per_prompt=2", "trainer.prompts_per_update=2",
+        "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8", "logging.progress=false",
+        # random model, all rewards 0: an entropy bonus makes step 1 move the weights that step 2's engine samples with
+        "algorithm.entropy_coef=0.01", "optim.lr=1e-3", "algorithm.updates_per_rollout=1", "trainer.steps=2"]
 
 
 def _check_two_steps(run_dir, stderr: str) -> list[dict]:
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [1, 2]
     assert recs[0]["grad_norm"] > 1e-4 and recs[1]["weight_version"] == 1.0
-    assert_trains(recs)  # the tiny task's rewards vary: real policy-gradient steps, not only the entropy bonus
     # step 2 was sampled by the engine after weight sync: its log-probs equal the policy's (mean |diff| per token)
     assert recs[1]["train_rollout_logprob_abs_diff"] < 1e-5
     loads = [v for k, v in recs[0].items() if k.startswith("moe_load_e")]
