@@ -238,6 +238,8 @@ def _assemble(
     t = cfg.trainer
     rounds, learner, prompts_log = _round_parts(cfg, lay, algorithm, schedule, oldlogp, p)
     finished = schedule.finished_samples if lay.rank == 0 else None
+    if p.episodes is not None:  # episodes: the unit an old-logit model scores at its version is the finished turn
+        finished = p.episodes.finished_turns
     weights = WeightSync(p.policy, p.engine, cfg.rollout.sync_mode, sync_options(cfg.rollout, model_dir),
                          t.sync_weights, oldlogp, finished)  # fmt: skip
     evaluator = Evaluator(cfg.eval, lay.run_dir, runlog, engine=p.engine, reward_fn=p.reward_fn, data=p.data,

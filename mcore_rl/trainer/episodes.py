@@ -130,6 +130,7 @@ class EpisodeLauncher:
 
     def __init__(self, source: EnvPromptSource, engine: RolloutEngine, max_workers: int = 64) -> None:
         self.source, self.engine = source, engine
+        self.turns = _TurnLog(engine)  # what the episode runners submit goes through it
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="episodes")
         self._local = threading.local()
         self._runners: list[Any] = []
@@ -140,7 +141,7 @@ class EpisodeLauncher:
 
         r = getattr(self._local, "runner", None)
         if r is None:
-            r = self._local.runner = EpisodeRunner(self.source.env, self.engine, self.source.renderer)
+            r = self._local.runner = EpisodeRunner(self.source.env, self.turns, self.source.renderer)
             with self._lock:
                 self._runners.append(r)
         return r
@@ -161,11 +162,49 @@ class EpisodeLauncher:
         trajs = self._runner().run([prompt.record], sampling, samples_per_prompt=sp.n)
         return [trajectory_sample(t, rid=req.rid) for t in trajs]
 
+    def finished_turns(self) -> list[Sample]:
+        """The model turns finished so far, each as a Sample whose prompt is the episode up to it (the old-log-prob
+        source `old_logit_model` scores them at their version before the next one loads)."""
+        return self.turns.recent()
+
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         for r in self._runners:
             if r.tools is not None:
                 r.tools.close()
+
+
+class _TurnLog:
+    """The engine as the episode runners see it, writing down every finished turn the moment the engine resolves
+    it (in the engine's thread, so before a later weight version can be announced). Turns more than one version
+    older than the newest are forgotten: a version hook only asks for the version it is leaving."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine, self._lock, self._turns, self._newest = engine, threading.Lock(), [], -1
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> list[Future]:
+        futures = self.engine.submit(requests)
+        for f in futures:
+            f.add_done_callback(self._record)
+        return futures
+
+    def _record(self, f: Future) -> None:
+        if f.cancelled() or f.exception() is not None:
+            return
+        s = f.result()
+        if s.finish_reason == "abort" or not s.output_ids:
+            return
+        v = max(s.weight_versions)
+        with self._lock:
+            self._newest = max(self._newest, v)
+            self._turns = [t for t in self._turns if max(t.weight_versions) >= self._newest - 1] + [s]
+
+    def recent(self) -> list[Sample]:
+        with self._lock:
+            return list(self._turns)
+
+    def __getattr__(self, name: str) -> Any:  # abort, pause, ... : the engine's own
+        return getattr(self.engine, name)
 
 
 def _child(parent: Future, j: int) -> Future:
