@@ -15,6 +15,11 @@ from tests.conftest import run_torchrun
 from tests.trainer.test_env_cli import CALC
 
 pytestmark = [pytest.mark.slow]
+# snapshot / interrupt score the round's own rows (bitwise the reference's forward: measured 0). old_logit_model
+# scores each turn when its version is left, as the end of its own prefix in a batch of other turns: another
+# padded width and batch shape than the reference's rows, so fp32 sums run in another order. Measured 1.9e-6 max
+# over 840 stale tokens at |log-prob| ~ 11 (2 ulps); a token scored under a wrong version is off by ~0.4.
+TOL = {"snapshot": 1e-6, "interrupt": 1e-6, "old_logit_model": 5e-6}
 WORKER = Path(__file__).with_name("env_oldlogp_worker.py")
 
 
@@ -46,5 +51,5 @@ def test_old_logp_exact_across_turns(source, tmp_path):
     if source == "recompute":
         assert res["max_diff"] > 1e-3 and max(res["audit_errors"]) > 0, res
         return
-    assert res["max_diff"] <= 1e-6, (source, res["max_diff"])
-    assert res["audit_errors"] and max(res["audit_errors"]) <= 1e-6, res["audit_errors"]
+    assert res["max_diff"] <= TOL[source], (source, res["max_diff"])
+    assert res["audit_errors"] and max(res["audit_errors"]) <= 1e-6, res["audit_errors"]  # mean per round
