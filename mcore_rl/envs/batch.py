@@ -50,9 +50,16 @@ def trajectory_tensors(
 
 def episode_summary(t: Trajectory) -> dict:
     """What the metrics need of an episode, small enough to travel with a trainer sample (and its checkpoint)."""
-    return {"reward": float(t.reward), "correct": bool(t.correct), "turns": t.turns, "tool_calls": t.tool_calls,
-            "valid_tool_calls": t.valid_tool_calls, "termination": t.termination,
-            "policy_tokens": t.policy_tokens, "env_tokens": len(t.token_ids) - t.prompt_len}
+    return {
+        "reward": float(t.reward),
+        "correct": bool(t.correct),
+        "turns": t.turns,
+        "tool_calls": t.tool_calls,
+        "valid_tool_calls": t.valid_tool_calls,
+        "termination": t.termination,
+        "policy_tokens": t.policy_tokens,
+        "env_tokens": len(t.token_ids) - t.prompt_len,
+    }
 
 
 def trajectory_sample(t: Trajectory, rid: str | None = None) -> Sample:
@@ -86,7 +93,8 @@ def summary_metrics(episodes: Sequence[dict], prefix: str = "env/") -> dict[str,
         "turns": sum(e["turns"] for e in episodes) / n,
         "tool_calls": calls / n,
         "valid_tool_call_rate": (sum(e["valid_tool_calls"] for e in episodes) / calls) if calls else 0.0,
-        "policy_token_frac": sum(e["policy_tokens"] for e in episodes) / max(1, sum(e["env_tokens"] for e in episodes)),
+        "policy_token_frac": sum(e["policy_tokens"] for e in episodes)
+        / max(1, sum(e["env_tokens"] for e in episodes)),
     }
     for reason, k in Counter(e["termination"] for e in episodes).items():
         out[f"end_{reason}"] = k / n

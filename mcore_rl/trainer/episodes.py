@@ -78,14 +78,18 @@ class EnvPromptSource:
 
     def next_prompts(self, n: int) -> list[EpisodePrompt]:
         if n % self.per_update:
-            raise ValueError(f"asked for {n} prompts, not a multiple of trainer.prompts_per_update={self.per_update}")
+            raise ValueError(
+                f"asked for {n} prompts, not a multiple of trainer.prompts_per_update={self.per_update}"
+            )
         return [self._prompt(r) for _ in range(n // self.per_update) for r in self.sampler.next_batch()]
 
     def lookup(self, prompt_id: str) -> EpisodePrompt:
         rec = self._by_id.get(prompt_id)
         if rec is None:
-            raise ConfigError(f"checkpoint: prompt {prompt_id!r} was in flight but is not in env "
-                              f"{self.env.name!r}'s training records (was env changed before the resume?)")
+            raise ConfigError(
+                f"checkpoint: prompt {prompt_id!r} was in flight but is not in env "
+                f"{self.env.name!r}'s training records (was env changed before the resume?)"
+            )
         return self._prompt(rec)
 
     def observe(self, prompt_ids: list[str], rewards: list[float]) -> None:
@@ -114,10 +118,16 @@ class EnvPromptSource:
                            gen, self.stop_token_ids, ks=[e.samples_per_prompt])  # fmt: skip
         s, k = res.summary, e.samples_per_prompt
         skip = {"n", "num_prompts", "mean_at_n", "time_generate_s", "time_total_s", "tokens_per_s"}
-        return {"mean_at_k": s["mean_at_n"], "pass_at_k": s[f"pass_at_{k}"], "k": float(k),
-                "num_prompts": s["num_prompts"], "response_len": s["response_len"],
-                "truncation_rate": s["truncation_rate"], "per_prompt_correct": res.correct.mean(1).tolist(),
-                **{f"env/{key}": v for key, v in s.items() if key not in skip and not key.startswith("pass_at_")}}
+        return {
+            "mean_at_k": s["mean_at_n"],
+            "pass_at_k": s[f"pass_at_{k}"],
+            "k": float(k),
+            "num_prompts": s["num_prompts"],
+            "response_len": s["response_len"],
+            "truncation_rate": s["truncation_rate"],
+            "per_prompt_correct": res.correct.mean(1).tolist(),
+            **{f"env/{key}": v for key, v in s.items() if key not in skip and not key.startswith("pass_at_")},
+        }
 
     def close(self) -> None:
         self.env.close()

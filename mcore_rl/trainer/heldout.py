@@ -47,7 +47,9 @@ class Evaluator:
     def _run(self, update: int) -> None:
         e = self.settings
         t0, c0 = time.perf_counter(), time.process_time()
-        m = self.data.heldout(self.engine, self.reward_fn, e)  # the data's sets, or the environment's episodes
+        m = self.data.heldout(
+            self.engine, self.reward_fn, e
+        )  # the data's sets, or the environment's episodes
         if not m:
             return
         m["time_eval"] = time.perf_counter() - t0

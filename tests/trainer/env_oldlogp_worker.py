@@ -1,6 +1,6 @@
 """tests/e2e/oldlogp_worker.py for environment runs: the test plugins registered first (episode_plugins.py).
 
-    python tests/trainer/env_oldlogp_worker.py OUT.json override ...     (or under torchrun)
+python tests/trainer/env_oldlogp_worker.py OUT.json override ...     (or under torchrun)
 """
 
 from __future__ import annotations

@@ -31,4 +31,3 @@ class GradedCalculator(CalculatorEnv):
     def respond(self, episode, reply: str) -> Feedback:
         ok = _h(reply) % 2 == 0
         return Feedback(1.0 if ok else 0.0, True, correct=ok, reason="answered")
-

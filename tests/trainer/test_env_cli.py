@@ -47,7 +47,10 @@ def train(run_dir: Path, *overrides: str, steps: int = 3) -> tuple[list[dict], l
 def check_episodes_trained(metrics: list[dict], evals: list[dict], schedule: str) -> None:
     assert len(metrics) == 3
     assert max(m["env/turns"] for m in metrics) > 1.0  # tool turns happened
-    assert max(m["env/tool_calls"] for m in metrics) > 0 and max(m["env/valid_tool_call_rate"] for m in metrics) > 0
+    assert (
+        max(m["env/tool_calls"] for m in metrics) > 0
+        and max(m["env/valid_tool_call_rate"] for m in metrics) > 0
+    )
     assert min(m["env/policy_token_frac"] for m in metrics) < 1.0  # tool text in the batch, masked out
     assert max(m["grad_norm"] for m in metrics) > 0.0  # real gradient steps
     assert min(m["zero_variance_groups"] for m in metrics) < 2  # some group kept a non-zero advantage

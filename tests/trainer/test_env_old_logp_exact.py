@@ -41,10 +41,12 @@ def async_episode_run(tmp_path: Path, source: str) -> dict:
 def test_old_logp_exact_across_turns(source, tmp_path):
     res = async_episode_run(tmp_path, source)
     m = res["metrics"]
-    print(f"{source}: max|old-ref|={res['max_diff']:.3g} recompute max|diff| on stale tokens="
-          f"{res['recompute_max_diff_stale']:.3g} stale tokens={res['stale_tokens']}/{res['tokens']} rows spanning "
-          f"versions={res['spanning_rows']}/{res['rows']} versions={res['versions']} turns={m.get('env/turns')} "
-          f"regenerated={m.get('old_logp_regenerated_samples')} audit={res['audit_errors']}")
+    print(
+        f"{source}: max|old-ref|={res['max_diff']:.3g} recompute max|diff| on stale tokens="
+        f"{res['recompute_max_diff_stale']:.3g} stale tokens={res['stale_tokens']}/{res['tokens']} rows spanning "
+        f"versions={res['spanning_rows']}/{res['rows']} versions={res['versions']} turns={m.get('env/turns')} "
+        f"regenerated={m.get('old_logp_regenerated_samples')} audit={res['audit_errors']}"
+    )
     assert res["source"] == source and res["rounds"] == 5 and len(res["versions"]) >= 3, res
     assert res["stale_tokens"] > 0, "no stale tokens: the run never consumed an older version's tokens"
     assert res["recompute_max_diff_stale"] > 1e-3, res  # the current weights give the wrong anchor

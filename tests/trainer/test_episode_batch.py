@@ -15,7 +15,9 @@ from mcore_rl.oldlogp.interrupt import check_single_version, turn_spans
 from mcore_rl.trainer.schedule.pipeline import staleness
 
 
-def _traj(prompt: list[int], turns: list[tuple[list[int], list[int]]], reward: float, i: int = 0) -> Trajectory:
+def _traj(
+    prompt: list[int], turns: list[tuple[list[int], list[int]]], reward: float, i: int = 0
+) -> Trajectory:
     """turns: (model ids, tool ids after them); model tokens get log-prob -0.1*k and version = turn index."""
     ids, mask, lp, ver, spans = list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt), []
     for t, (model, tool) in enumerate(turns):
@@ -45,7 +47,9 @@ def test_episode_sample_packs_like_trajectory_tensors():
     assert rb.response_len.tolist() == [6.0, 1.0]  # policy tokens only
     eps = [s.metadata["episode"] for s in samples]
     assert summary_metrics(eps) == episode_metrics(trajs)
-    assert summary_metrics(eps)["env/turns"] == 2.0 and summary_metrics(eps)["env/policy_token_frac"] == 7 / 12
+    assert (
+        summary_metrics(eps)["env/turns"] == 2.0 and summary_metrics(eps)["env/policy_token_frac"] == 7 / 12
+    )
 
 
 def test_interrupt_check_is_per_turn():
