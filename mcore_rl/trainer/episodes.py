@@ -117,7 +117,8 @@ class EnvPromptSource:
         res = evaluate_env(engine, self.tokenizer, EnvSet(self.env.name, self.env, list(records), self.env_spec),
                            gen, self.stop_token_ids, ks=[e.samples_per_prompt])  # fmt: skip
         s, k = res.summary, e.samples_per_prompt
-        skip = {"n", "num_prompts", "mean_at_n", "time_generate_s", "time_total_s", "tokens_per_s"}
+        skip = {"n", "num_prompts", "mean_at_n", "response_len", "truncation_rate", "time_generate_s",
+                "time_total_s", "tokens_per_s"}  # fmt: skip
         return {
             "mean_at_k": s["mean_at_n"],
             "pass_at_k": s[f"pass_at_{k}"],
@@ -135,26 +136,19 @@ class EnvPromptSource:
 
 class EpisodeLauncher:
     """`submit(requests)` like an engine's, but each of a request's n futures is a whole episode (a Sample with
-    `output_mask`). Episodes run on a thread pool; every turn goes to the real engine, so the engine batches the
-    turns of all live episodes together. One EpisodeRunner (and its warm tool pool) per worker thread."""
+    `output_mask`). Each request's episodes run in a pool thread through one shared EpisodeRunner (its state is per
+    call; its tool pool is one, warm, its batches taken one at a time); every turn goes to the real engine, so the
+    engine batches the turns of all live episodes together."""
 
     def __init__(self, source: EnvPromptSource, engine: RolloutEngine, max_workers: int = 64) -> None:
-        self.source, self.engine = source, engine
-        self.turns = _TurnLog(engine)  # what the episode runners submit goes through it
-        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="episodes")
-        self._local = threading.local()
-        self._runners: list[Any] = []
-        self._lock = threading.Lock()
-
-    def _runner(self) -> Any:
         from mcore_rl.envs.runner import EpisodeRunner
 
-        r = getattr(self._local, "runner", None)
-        if r is None:
-            r = self._local.runner = EpisodeRunner(self.source.env, self.turns, self.source.renderer)
-            with self._lock:
-                self._runners.append(r)
-        return r
+        self.source, self.engine = source, engine
+        self.turns = _TurnLog(engine)  # what the episode runner submits goes through it
+        self.runner = EpisodeRunner(source.env, self.turns, source.renderer)
+        if self.runner.tools is not None:
+            self.runner.tools = _Serialized(self.runner.tools)
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="episodes")
 
     def submit(self, requests: Sequence[GenerationRequest], prompts: Sequence[EpisodePrompt]) -> list[Future]:
         out: list[Future] = []
@@ -169,7 +163,7 @@ class EpisodeLauncher:
         sp = req.sampling
         sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
                                   stop_token_ids=list(sp.stop_token_ids))  # fmt: skip
-        trajs = self._runner().run([prompt.record], sampling, samples_per_prompt=sp.n)
+        trajs = self.runner.run([prompt.record], sampling, samples_per_prompt=sp.n)
         return [trajectory_sample(t, rid=req.rid) for t in trajs]
 
     def finished_turns(self) -> list[Sample]:
@@ -179,9 +173,22 @@ class EpisodeLauncher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-        for r in self._runners:
-            if r.tools is not None:
-                r.tools.close()
+        if self.runner.tools is not None:
+            self.runner.tools.close()
+
+
+class _Serialized:
+    """A ToolRunner shared by the episode threads: one pool batch at a time."""
+
+    def __init__(self, tools: Any) -> None:
+        self.tools, self._lock = tools, threading.Lock()
+
+    def run(self, calls: Sequence[Any]) -> list[Any]:
+        with self._lock:
+            return self.tools.run(calls)
+
+    def __getattr__(self, name: str) -> Any:  # close, refused, stats: the runner's own
+        return getattr(self.tools, name)
 
 
 class _TurnLog:
