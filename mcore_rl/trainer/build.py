@@ -120,7 +120,8 @@ def _prompt_source(cfg: MainConfig, model_dir: Path) -> Any:
         from mcore_rl.trainer.episodes import EnvPromptSource
 
         return EnvPromptSource(dict(cfg.env), cfg.eval, model_dir, seed=cfg.seed,
-                               prompts_per_update=t.prompts_per_update)  # fmt: skip
+                               prompts_per_update=t.prompts_per_update,
+                               retire_pass_rate=cfg.algorithm.retire_pass_rate)  # fmt: skip
     return PromptSource(
         cfg.data,
         cfg.eval,

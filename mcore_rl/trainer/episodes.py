@@ -51,7 +51,7 @@ class EnvPromptSource:
     PromptSampler, its held-out split for evaluation. Same interface as trainer.prompts.PromptSource."""
 
     def __init__(self, env_spec: dict[str, Any], evaluation: EvalConfig, model_dir: Path, seed: int,
-                 prompts_per_update: int) -> None:  # fmt: skip
+                 prompts_per_update: int, retire_pass_rate: float | None = None) -> None:  # fmt: skip
         from transformers import AutoTokenizer
 
         from mcore_rl.envs.chat import TurnRenderer
@@ -68,7 +68,13 @@ class EnvPromptSource:
         except ValueError as e:
             raise ConfigError(f"env={self.env.name!r} with model {model_dir}: {e}") from None
         self.per_update, self.evaluation = prompts_per_update, evaluation
-        self.sampler = PromptSampler(self.train, batch_size=prompts_per_update, seed=seed)
+        self.history = None
+        if retire_pass_rate:  # ScaleRL: a prompt whose episodes keep succeeding is retired, as for `data`
+            from mcore_rl.algorithms import PassRateHistory
+
+            self.history = PassRateHistory(threshold=retire_pass_rate)
+        self.sampler = PromptSampler(self.train, batch_size=prompts_per_update, seed=seed,
+                                     skip=self.history.is_retired if self.history else None)  # fmt: skip
         self._by_id = {r.prompt_id: r for r in self.train}
         self.stop_token_ids = [t for t in {self.tokenizer.eos_token_id} if t is not None]
 
@@ -93,16 +99,25 @@ class EnvPromptSource:
         return self._prompt(rec)
 
     def observe(self, prompt_ids: list[str], rewards: list[float]) -> None:
-        """Pass-rate retirement reads single-turn rewards only (no environment run keeps a history)."""
+        if self.history is not None:
+            import torch
+
+            self.history.update(prompt_ids, torch.tensor(rewards))
 
     def metrics(self) -> dict[str, float]:
-        return {"data_epoch": float(self.sampler.epoch)}
+        m = {"data_epoch": float(self.sampler.epoch)}
+        if self.history is not None:
+            m.update({f"pass_rate_{k}": float(v) for k, v in self.history.metrics().items()})
+        return m
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "history": None}
+        return {"sampler": self.sampler.state_dict(),
+                "history": self.history.state_dict() if self.history is not None else None}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
+        if self.history is not None and state.get("history"):
+            self.history.load_state_dict(state["history"])
 
     def heldout(self, engine: RolloutEngine, reward_fn: Any, e: EvalConfig) -> dict[str, Any]:
         """The environment's held-out episodes through mcore-rl-eval --env's evaluate_env: success as mean@k /
