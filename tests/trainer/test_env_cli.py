@@ -72,7 +72,9 @@ def test_calculator_episodes_train_under_every_schedule(schedule, tmp_path):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a != "grpo_cpu"])
 def test_calculator_episodes_train_every_algorithm(algorithm, schedule, tmp_path):
-    metrics, evals = train(tmp_path / "run", *CALC, f"algorithm={algorithm}", f"schedule={schedule}")
+    # one update per round, so three rounds are consumed (async: the later ones on older weights)
+    one = "algorithm.updates_per_stage=1" if schedule == "staged" else "algorithm.updates_per_rollout=1"
+    metrics, evals = train(tmp_path / "run", *CALC, f"algorithm={algorithm}", f"schedule={schedule}", one)
     check_episodes_trained(metrics, evals, schedule)
 
 
