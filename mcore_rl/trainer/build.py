@@ -71,7 +71,8 @@ class Components:
             self.episodes.source.close()
         self.prompts_log.close()
         self.runlog.close()
-        self.reward_fn.close()
+        if self.reward_fn is not None:
+            self.reward_fn.close()
         self.engine.close()
 
 
@@ -158,7 +159,7 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
         from mcore_rl.rewards import build_reward
 
         p.engine = make_engine(cfg.rollout, sched_cls, model_dir, dtype, deterministic, cfg.seed)
-        p.reward_fn = build_reward(cfg.reward)
+        p.reward_fn = build_reward(cfg.reward) if cfg.env is None else None  # env=NAME: the env rewards
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         p.compute = ComputeMeter(model_flops(model_dir), world, torch.cuda.is_available())
     record = config_record(cfg, dtype)
