@@ -102,7 +102,7 @@ class Rounds:
             rewards, correct = [float(e["reward"]) for e in eps], [bool(e["correct"]) for e in eps]
             self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in gen.samples],
                                    self.scoring_passes)  # fmt: skip
-            return rewards, correct, summary_metrics(eps)
+            return rewards, correct, {}
         results = self.reward_fn.score([s.text or "" for s in gen.samples],
                                        [p.answer for p in gen.prompts for _ in range(G)])
         rewards, correct = [r.score for r in results], [bool(r.correct) for r in results]
@@ -121,6 +121,8 @@ class Rounds:
         if self.dynamic_sampling:
             groups, metrics["dynamic_sampling_rounds"] = self._fill_varied(groups, len(groups))
         metrics["zero_variance_groups"] = float(sum(not _varies(g) for g in groups))
+        if self.episodes:  # the episodes that train (after dynamic sampling's selection)
+            metrics.update(summary_metrics([s.metadata["episode"] for g in groups for s in g[1]]))
         metrics["time_reward"] = time.perf_counter() - t0
         return {"index": gen.index, "prompts": [g[0] for g in groups], "samples": [s for g in groups for s in g[1]],
                 "rewards": [r for g in groups for r in g[2]], "correct": [c for g in groups for c in g[3]],
