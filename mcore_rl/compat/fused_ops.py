@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-_BROKEN: set[str] = set()
+_BROKEN: dict[str, str] = {}  # function name -> why compiling it failed (it runs eager from then on)
+_COMPILED_CALLS: dict[str, int] = {}  # function name -> calls that ran the compiled version
 # process-wide like the Megatron RoPE hook it guards (compat/rope.py); set from model.compile by build_gpt_model
 _ENABLED = True
 
@@ -42,6 +43,17 @@ def compile_enabled() -> bool:
     return _ENABLED
 
 
+def fallbacks() -> dict[str, str]:
+    """Compiled functions that fell back to eager in this process, with the compile error: empty where the
+    compiled path works (a C++ toolchain present), so a test can tell a real fused run from a silent eager one."""
+    return dict(_BROKEN)
+
+
+def compiled_calls() -> dict[str, int]:
+    """How many calls of each function ran its compiled version (eager calls, fallbacks included, are not counted)."""
+    return dict(_COMPILED_CALLS)
+
+
 def _compiled(fn: Callable) -> Callable:
     """torch.compile(fn), falling back to eager fn (once, logged) if compilation fails on this machine."""
     compiled = torch.compile(fn, dynamic=None)
@@ -50,11 +62,13 @@ def _compiled(fn: Callable) -> Callable:
         if fn.__name__ in _BROKEN or not compile_enabled():
             return fn(*args, **kwargs)
         try:
-            return compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - inductor needs a C++ toolchain; eager is always correct
-            _BROKEN.add(fn.__name__)
+            _BROKEN[fn.__name__] = f"{type(e).__name__}: {e}"
             log.warning("torch.compile of %s failed (%s: %s); using eager", fn.__name__, type(e).__name__, e)
             return fn(*args, **kwargs)
+        _COMPILED_CALLS[fn.__name__] = _COMPILED_CALLS.get(fn.__name__, 0) + 1
+        return out
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     return call

@@ -28,6 +28,9 @@ class ArithmeticConfig(PromptStyle):
     max_operand: int = 20
     ops: list[str] = field(default_factory=lambda: ["+"])
     question: str = "What is {a} {op} {b}? Answer with just the number."
+    # set: b = answer - a (ops must be ["+"]), so every question has this answer: data=sevens, the task of
+    # `model=tiny_sevens`, whose random model makes "7" likely, so rewards vary within a group and updates train
+    answer: int | None = None
 
 
 @register_dataset("arithmetic", ArithmeticConfig)
@@ -38,11 +41,13 @@ def make_arithmetic(cfg: ArithmeticConfig) -> tuple[list[PromptRecord], LoadSumm
     bad_ops = [op for op in cfg.ops if op not in _OPS]
     if not cfg.ops or bad_ops:
         raise ValueError(f"data.ops={list(cfg.ops)}: each must be one of {sorted(_OPS)}")
+    if cfg.answer is not None and (list(cfg.ops) != ["+"] or not 0 <= cfg.min_operand <= cfg.max_operand <= cfg.answer):
+        raise ValueError(f"data.answer={cfg.answer}: needs ops=['+'] and 0 <= min_operand <= max_operand <= answer")
     rng = random.Random(f"arithmetic:{cfg.seed}")
     records = []
     for i in range(cfg.size):
         a = rng.randint(cfg.min_operand, cfg.max_operand)
-        b = rng.randint(cfg.min_operand, cfg.max_operand)
+        b = rng.randint(cfg.min_operand, cfg.max_operand) if cfg.answer is None else cfg.answer - a
         op = cfg.ops[rng.randrange(len(cfg.ops))]
         question = cfg.question.format(a=a, op=op, b=b)
         meta = {"source": "arithmetic", "a": a, "b": b, "op": op}

@@ -90,8 +90,11 @@ def rollout_engine(name: str | None, engine: str | None, overrides: dict,
     from mcore_rl.config import ROLLOUT_SCHEMAS
 
     raw = OmegaConf.load(path)
-    raw.pop("defaults", None)  # the group's Hydra schema line: the same schema is applied here by hand
-    schema = ROLLOUT_SCHEMAS.get(raw.get("engine", "local"))
+    # the group's Hydra schema line (`/schema/rollout/<engine>@_here_`) names the engine when the yaml does not:
+    # the same schema is applied here by hand
+    named = [str(d).split("/")[-1].split("@")[0] for d in raw.pop("defaults", []) if "schema/rollout/" in str(d)]
+    raw.setdefault("engine", named[0] if named else "local")
+    schema = ROLLOUT_SCHEMAS.get(raw.engine)
     try:
         node = OmegaConf.merge(OmegaConf.structured(schema), raw) if schema else raw
     except OmegaConfBaseException as e:

@@ -34,12 +34,17 @@ def tiny_model_dir(tiny: Mapping[str, Any], cache: Path | None = None) -> Path:
     src = materialize_smollm2()
     tok = AutoTokenizer.from_pretrained(src)
     seed = spec.pop("seed", 0)
+    likely, boost = spec.pop("likely_token", None), spec.pop("likely_boost", 0.75)  # models/tiny_task.py
     model_type = spec.pop("model_type", "llama")  # any transformers model type the families cover
     config = AutoConfig.for_model(model_type, vocab_size=len(tok), tie_word_embeddings=True,
                                   max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if likely is not None:
+        from mcore_rl.models.tiny_task import make_token_likely
+
+        make_token_likely(model, tok, str(likely), float(boost), seed)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)

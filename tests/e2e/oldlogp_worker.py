@@ -127,6 +127,7 @@ def main(out: str, overrides: list[str]) -> None:
                                                   (r["recompute"] - ref)[stale].abs().max().item())
     metrics = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]
     res["metrics"] = metrics[-1] if metrics else {}
+    res["records"] = metrics
     res["audit_errors"] = [m_.get("old_logp_error") for m_ in metrics if "old_logp_error" in m_]
     Path(out).write_text(json.dumps(res))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.sevens import assert_async_lag, assert_trains
 from tests.e2e.test_train_tiny import records, run, train_cmd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.algorithms]
@@ -22,6 +23,8 @@ def test_cli_async_snapshot_logs_memory_and_missing_old_logit_error(tmp_path):
         assert r["old_logp_snapshot_gb"] > 0
         assert r["old_logp_error"] <= 1e-6  # snapshot is exact: the audit agrees with it
     assert max(r["old_logp_stale_token_frac"] for r in recs) > 0  # async k=1: some rounds were stale
+    assert_trains(recs)
+    assert_async_lag(recs)
 
 
 def test_cli_rejects_unknown_source(tmp_path):

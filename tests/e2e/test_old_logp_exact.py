@@ -1,4 +1,4 @@
-"""Exact old log-probs in a real async run (tiny model, fp32, PipelineRL k=2, partial rollouts): snapshot,
+"""Exact old log-probs in a real async run (the tiny model's task, tests/e2e/sevens.py; fp32, PipelineRL k=2, partial rollouts): snapshot,
 old_logit_model and interrupt equal a reference that reloads every weight version's HF folder and scores that
 version's tokens; the trainer's current-weights recompute of the same tokens does not. ~2-3 min per source."""
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_torchrun
+from tests.e2e.sevens import TINY_TASK, assert_async_lag, assert_trains
 
 pytestmark = [pytest.mark.e2e, pytest.mark.algorithms, pytest.mark.slow]
 WORKER = Path(__file__).with_name("oldlogp_worker.py")
@@ -18,7 +19,7 @@ EXACT = ("snapshot", "old_logit_model", "interrupt")
 
 def async_run(tmp_path: Path, source: str, nproc: int = 1, *extra: str) -> dict:
     out = tmp_path / "result.json"
-    run_torchrun(nproc, WORKER, str(out), "model=tiny", f"run.dir={tmp_path / 'run'}", "rollout.sync_mode=disk",
+    run_torchrun(nproc, WORKER, str(out), *TINY_TASK, f"run.dir={tmp_path / 'run'}", "rollout.sync_mode=disk",
                  f"rollout.sync_dir={tmp_path / 'sync'}", "rollout.keep_versions=100", "rollout.max_batch_size=1",
                  "algorithm.schedule=async", "algorithm.max_staleness=2",
                  "trainer.deterministic=false",  # free-running async: weight updates land mid-sample
@@ -48,6 +49,8 @@ def check_exact(res: dict, source: str) -> None:
         assert res["spanning_rows"] == 0 and m["old_logp_regenerated_samples"] >= 1, res
     # the audit metric sees the same thing: ~0 for an exact source
     assert res["audit_errors"] and max(res["audit_errors"]) <= 1e-6, res["audit_errors"]
+    assert_trains(res["records"])
+    assert_async_lag(res["records"])
 
 
 @pytest.mark.parametrize("source", EXACT)

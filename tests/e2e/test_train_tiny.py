@@ -1,4 +1,5 @@
-"""The training entry point end to end on the tiny model: single process, torchrun TP=2, resume, multirun, errors."""
+"""The training entry point end to end on the tiny model's task (tests/e2e/sevens.py: rewards vary, so updates
+train): single process, torchrun TP=2, resume, multirun over the algorithms, errors."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.sevens import TINY_TASK, assert_trains
 
 pytestmark = pytest.mark.e2e
 
-FAST = ["model=tiny", "eval.num_prompts=4", "eval.samples_per_prompt=2", "trainer.prompts_per_update=2",
-        "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8", "logging.progress=false"]
+FAST = [*TINY_TASK, "eval.num_prompts=4", "eval.samples_per_prompt=2", "trainer.prompts_per_update=2",
+        "trainer.samples_per_prompt=4", "trainer.max_new_tokens=8", "logging.progress=false"]
 
 
 def _env() -> dict[str, str]:
@@ -49,6 +51,7 @@ def test_tiny_two_steps_single_process(tmp_path):
     for key in ("reward_mean", "accuracy", "response_len", "truncation_rate", "loss", "grad_norm",
                 "time_generate", "time_reward", "time_train", "time_sync", "entropy"):
         assert key in recs[-1], key
+    assert_trains(recs)
     assert (tmp_path / "checkpoints" / "latest").is_file()
     assert (tmp_path / "hf" / "config.json").is_file()
     assert records(tmp_path, "eval.jsonl")  # held-out eval ran
@@ -64,10 +67,10 @@ def test_tiny_two_steps_torchrun_tp2(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = records(tmp_path)
     assert [r["step"] for r in recs] == [1, 2] and all("loss" in r for r in recs)
+    assert_trains(recs)
 
 
 def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
-    # random tiny model: rewards are all 0, so an entropy bonus gives the loss and the gradients something to do
     common = ["trainer.steps=4", "trainer.save_every=2", "algorithm.updates_per_rollout=1", "eval.every=0",
               "algorithm.entropy_coef=0.01", "optim.lr=1e-3"]
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
@@ -94,6 +97,7 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path):
         assert abs(resumed[step]["loss"] - ref[step]["loss"]) <= 1e-6, (step, resumed[step]["loss"], ref[step]["loss"])
         assert resumed[step]["reward_mean"] == ref[step]["reward_mean"]
     assert ref[3]["loss"] != ref[4]["loss"]
+    assert_trains(list(ref.values()))
 
 
 def test_multirun_all_algorithms(tmp_path):
@@ -105,6 +109,7 @@ def test_multirun_all_algorithms(tmp_path):
     for job in jobs:
         recs = records(job)
         assert recs and recs[-1]["step"] == 2 and "loss" in recs[-1], job
+        assert_trains(recs)
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -112,11 +117,12 @@ def test_multirun_all_algorithms(tmp_path):
     ("trainer.steps=-1", "trainer.steps=-1 must be >= 0"),
     ("parallel.tp=3", "parallel.tp=3 does not divide num_attention_heads=4"),
     ("data.answer_field=solution", "solution"),
+    ("data.answer=5", "data.answer=5: needs ops=['+'] and 0 <= min_operand <= max_operand <= answer"),
 ])
 def test_bad_config_one_clear_line(override, needle, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n' * 4)
-    extra = ["data=jsonl", f"data.path={data}"] if override.startswith("data.") else []
+    extra = ["data=jsonl", f"data.path={data}"] if override.startswith("data.answer_") else []
     t0 = time.time()
     proc = run(train_cmd(*extra, override, f"run.dir={tmp_path / 'run'}"), timeout=120)
     assert proc.returncode != 0

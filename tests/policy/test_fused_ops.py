@@ -4,6 +4,8 @@ Each compiled op is fed bf16 inputs; its output and input gradients are compared
 the same (bf16-exact) values. The compiled op rounds once, where eager bf16 rounds after every op, so its error
 must not exceed eager bf16's (x1.25 + 1 bf16 ulp of slack); the log-probs, computed in fp32 from bf16 logits, must
 equal the fp32 reference to 1e-4. fp32 calls never reach these functions (the exactness tests stay eager).
+Each test also checks which path ran: with a C++ toolchain (what inductor compiles with) every op must have run
+compiled and none fallen back to eager; without one every op must have fallen back, and said so.
 """
 
 from __future__ import annotations
@@ -16,6 +18,33 @@ from mcore_rl.compat import fused_ops
 from mcore_rl.policy.logprobs import reference_logprobs, vocab_parallel_logprobs
 
 BF16_ULP = 2.0**-8
+
+
+def _toolchain() -> str | None:
+    """The C++ compiler inductor would use, if it is installed (CXX, else g++ / clang++ on PATH)."""
+    import shutil
+
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        return shutil.which(get_cpp_compiler())
+    except Exception:  # noqa: BLE001 - no compiler found: inductor raises, the compiled ops fall back
+        return None
+
+
+@pytest.fixture
+def ran_compiled():
+    """Yield, then assert that each named op ran compiled (toolchain present) or fell back visibly (absent)."""
+    before = fused_ops.compiled_calls()
+    names: list[str] = []
+    yield names
+    after, fell_back = fused_ops.compiled_calls(), fused_ops.fallbacks()
+    ran = {n: after.get(n, 0) - before.get(n, 0) for n in names}
+    if _toolchain():
+        assert not {n: fell_back[n] for n in names if n in fell_back}, "compile expected, fell back to eager"
+        assert all(c > 0 for c in ran.values()), f"compile expected, compiled calls: {ran}"
+    else:
+        assert all(n in fell_back and ran[n] == 0 for n in names), (fell_back, ran)
 
 
 def _leaf(shape, seed, scale=1.0):
@@ -46,7 +75,8 @@ def _eager_rms(x, w):
         x, (x.shape[-1],), w, 1e-5)
 
 
-def test_compiled_rms_norm_swiglu_rope_match_fp32():
+def test_compiled_rms_norm_swiglu_rope_match_fp32(ran_compiled):
+    ran_compiled += ["_rms_norm", "_swiglu", "_rope"]
     x, w = _leaf((7, 3, 64), 0), _leaf((64,), 1, 0.5)
     _compare(lambda a, b: fused_ops.rms_norm(a, b, 1e-5), _eager_rms, x, w)
     h = _leaf((5, 2, 96), 2, 2.0)
@@ -63,8 +93,9 @@ def test_compiled_rms_norm_swiglu_rope_match_fp32():
 
 
 @pytest.mark.parametrize("temperature,with_entropy,pad", [(1.0, True, 0), (0.7, False, 5)])
-def test_compiled_logprobs_equal_fp32_reference(temperature, with_entropy, pad, monkeypatch):
+def test_compiled_logprobs_equal_fp32_reference(temperature, with_entropy, pad, monkeypatch, ran_compiled):
     """bf16 logits -> fp32 log-probs / entropy / gradients, compiled vs the eager path, and padded vocab rows."""
+    ran_compiled.append("_logprobs_one_rank")
     V = 300
     logits = _leaf((2, 9, V + pad), 5, 4.0)
     targets = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(6))
@@ -81,6 +112,20 @@ def test_compiled_logprobs_equal_fp32_reference(temperature, with_entropy, pad, 
     assert (g.float() - g_e.float()).abs().max() <= BF16_ULP * g_e.float().abs().max()
     if pad:
         assert g[..., V:].abs().max() == 0  # padded vocab rows get no gradient
+
+
+def test_a_failed_compile_is_recorded_and_runs_eager(monkeypatch):
+    """What the fixture relies on: a compile error leaves the op eager, counted in fallbacks(), not compiled_calls."""
+    monkeypatch.setattr(fused_ops, "_BROKEN", {})
+
+    def _boom(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: _boom)
+    double = fused_ops._compiled(lambda x: 2 * x)
+    assert double(torch.tensor(3.0)).item() == 6.0 and double(torch.tensor(4.0)).item() == 8.0
+    assert fused_ops.fallbacks() == {"<lambda>": "RuntimeError: no C++ compiler"}
+    assert "<lambda>" not in fused_ops.compiled_calls()
 
 
 def test_fused_cpu_adam_switch_gives_the_same_update():
