@@ -104,8 +104,8 @@ def config_classes() -> list[type]:
     from mcore_rl.algorithms import config_class, registered_algorithms
     from mcore_rl.config import ROLLOUT_SCHEMAS, MainConfig
     from mcore_rl.data.registry import DATASETS
-    from mcore_rl.rewards.format_reward import FormatConfig
     from mcore_rl.envs.base import ENVS
+    from mcore_rl.rewards.format_reward import FormatConfig
     from mcore_rl.rewards.verifier import MathVerifyConfig
 
     roots = [
