@@ -48,7 +48,7 @@ def build_rollout_batch(samples, rewards: list[float], correct: list[bool], grou
         tokens[i, :p] = torch.tensor(s.prompt_ids)
         if o:
             tokens[i, p:p + o] = torch.tensor(s.output_ids)
-            mask[i, p:p + o] = 1.0
+            mask[i, p:p + o] = 1.0 if s.output_mask is None else torch.tensor(s.output_mask, dtype=torch.float32)
             logp[i, p:p + o] = torch.tensor(s.output_logprobs, dtype=torch.float32)
             versions[i, p:p + o] = torch.tensor(s.weight_versions)
     return RolloutBatch(
@@ -56,9 +56,13 @@ def build_rollout_batch(samples, rewards: list[float], correct: list[bool], grou
         group_ids=torch.tensor(group_ids, dtype=torch.long),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         correct=torch.tensor([float(c) for c in correct]),
-        response_len=torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32),
+        response_len=torch.tensor([_policy_tokens(s) for s in samples], dtype=torch.float32),
         truncated=torch.tensor([float(s.finish_reason == "length") for s in samples]),
     )
+
+
+def _policy_tokens(s) -> int:
+    return len(s.output_ids) if s.output_mask is None else int(sum(s.output_mask))
 
 
 def update_rows(group_ids: torch.Tensor, num_updates: int, update: int, dp: int, dp_rank: int) -> list[int]:

@@ -104,6 +104,7 @@ def config_classes() -> list[type]:
     from mcore_rl.algorithms import config_class, registered_algorithms
     from mcore_rl.config import ROLLOUT_SCHEMAS, MainConfig
     from mcore_rl.data.registry import DATASETS
+    from mcore_rl.envs.base import ENVS
     from mcore_rl.rewards.format_reward import FormatConfig
     from mcore_rl.rewards.verifier import MathVerifyConfig
 
@@ -114,6 +115,7 @@ def config_classes() -> list[type]:
         *(k.config for k in DATASETS.values()),
         MathVerifyConfig,
         FormatConfig,
+        *(ENVS.get(n).config_cls for n in ENVS.names()),
     ]
     out: list[type] = []
     while roots:

@@ -52,6 +52,7 @@ class MainConfig:
     algorithm: Any = None   # the algorithm's registered config dataclass: /schema/algorithm/<name>
     data: Any = None        # validated by data/registry.py against the kind's dataclass
     reward: Any = None      # validated by rewards/registry.py against each part's dataclass
+    env: Any = None         # env=NAME: episodes instead of single replies; validated by envs.build_environment
 
 
 _registered = False

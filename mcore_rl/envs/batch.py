@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from mcore_rl.envs.base import Trajectory
+from mcore_rl.rollout.protocol import Sample
 
 TRUNCATIONS = ("length", "max_total_tokens")
 
@@ -47,21 +48,54 @@ def trajectory_tensors(
     }
 
 
+def episode_summary(t: Trajectory) -> dict:
+    """What the metrics need of an episode, small enough to travel with a trainer sample (and its checkpoint)."""
+    return {
+        "reward": float(t.reward),
+        "correct": bool(t.correct),
+        "turns": t.turns,
+        "tool_calls": t.tool_calls,
+        "valid_tool_calls": t.valid_tool_calls,
+        "termination": t.termination,
+        "policy_tokens": t.policy_tokens,
+        "env_tokens": len(t.token_ids) - t.prompt_len,
+    }
+
+
+def trajectory_sample(t: Trajectory, rid: str | None = None) -> Sample:
+    """An episode as one trainer sample: the first prompt, then every later token (policy and tool/environment)
+    as output with `output_mask` marking the policy's. The episode's reward and counters ride in
+    `metadata["episode"]` (episode_summary), so the trainer's rounds, checkpoints and old-log-prob sources handle
+    an episode exactly like a single-turn sample."""
+    p = t.prompt_len
+    reason = "length" if t.termination in TRUNCATIONS else "abort" if t.termination == "abort" else "stop"
+    return Sample(rid=rid or t.metadata.get("rid"), prompt_ids=list(t.token_ids[:p]), output_ids=list(t.token_ids[p:]),
+                  output_logprobs=list(t.logprobs[p:]), weight_versions=list(t.versions[p:]), finish_reason=reason,
+                  text=next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), ""),
+                  sample_index=t.sample_index, metadata={"episode": episode_summary(t)},
+                  output_mask=list(t.mask[p:]))  # fmt: skip
+
+
 def episode_metrics(trajs: Sequence[Trajectory], prefix: str = "env/") -> dict[str, float]:
     """Success, turns, tool-call validity and why episodes ended (fractions), for logs and evaluation."""
-    if not trajs:
+    return summary_metrics([episode_summary(t) for t in trajs], prefix)
+
+
+def summary_metrics(episodes: Sequence[dict], prefix: str = "env/") -> dict[str, float]:
+    """episode_metrics over `episode_summary` records (what a trainer round holds)."""
+    if not episodes:
         return {}
-    n = len(trajs)
-    calls = sum(t.tool_calls for t in trajs)
+    n = len(episodes)
+    calls = sum(e["tool_calls"] for e in episodes)
     out = {
-        "success": sum(t.correct for t in trajs) / n,
-        "reward": sum(t.reward for t in trajs) / n,
-        "turns": sum(t.turns for t in trajs) / n,
+        "success": sum(e["correct"] for e in episodes) / n,
+        "reward": sum(e["reward"] for e in episodes) / n,
+        "turns": sum(e["turns"] for e in episodes) / n,
         "tool_calls": calls / n,
-        "valid_tool_call_rate": (sum(t.valid_tool_calls for t in trajs) / calls) if calls else 0.0,
-        "policy_token_frac": sum(t.policy_tokens for t in trajs)
-        / max(1, sum(len(t.token_ids) - t.prompt_len for t in trajs)),
+        "valid_tool_call_rate": (sum(e["valid_tool_calls"] for e in episodes) / calls) if calls else 0.0,
+        "policy_token_frac": sum(e["policy_tokens"] for e in episodes)
+        / max(1, sum(e["env_tokens"] for e in episodes)),
     }
-    for reason, k in Counter(t.termination for t in trajs).items():
+    for reason, k in Counter(e["termination"] for e in episodes).items():
         out[f"end_{reason}"] = k / n
     return {prefix + k: float(v) for k, v in out.items()}

@@ -10,14 +10,31 @@ from mcore_rl.oldlogp.registry import register_source
 from mcore_rl.oldlogp.store import score_by_version
 
 
+def turn_spans(mask) -> list[tuple[int, int]]:
+    """[start, end) of each contiguous run of policy tokens in one row: a model turn (one per single-turn row)."""
+    pos = (mask > 0).nonzero().flatten().tolist()
+    spans: list[tuple[int, int]] = []
+    for p in pos:
+        if spans and spans[-1][1] == p:
+            spans[-1] = (spans[-1][0], p + 1)
+        else:
+            spans.append((p, p + 1))
+    return spans
+
+
 def check_single_version(rb) -> None:
-    v = rb.versions.masked_fill(rb.loss_mask <= 0, -1)
-    hi = v.max(dim=1).values
-    lo = v.masked_fill(rb.loss_mask <= 0, 1 << 62).min(dim=1).values
-    bad = ((hi != lo) & (rb.loss_mask.sum(dim=1) > 0)).nonzero().flatten().tolist()
+    """Every model turn (a contiguous run of policy tokens) carries one version. The engine restarts a turn in
+    flight at a weight update, so a multi-turn episode may hold several versions, one per turn, never two in a
+    turn."""
+    bad = []
+    for i in range(len(rb)):
+        for a, b in turn_spans(rb.loss_mask[i]):
+            if len(set(rb.versions[i, a:b].tolist())) > 1:
+                bad.append(i)
+                break
     if bad:
-        raise RuntimeError(f"old_logp_source interrupt: rows {bad[:5]} span several weight versions; the engine "
-                           "did not restart them at a weight update")
+        raise RuntimeError(f"old_logp_source interrupt: rows {bad[:5]} have a turn that spans several weight "
+                           "versions; the engine did not restart it at a weight update")
 
 
 @register_source("interrupt")

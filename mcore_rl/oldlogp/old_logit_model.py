@@ -8,6 +8,12 @@ more version-v tokens can appear), the model -- still holding v -- scores every 
 version-v sample, caches its log-probs (keyed by token content and version), and then loads v+1. Samples that
 finish under the trainer's current version are scored when their round is consumed. Exact: each token is scored
 by a model holding its own version.
+
+Multi-turn episodes (env=NAME): the engine's interrupt mode restarts a *turn* at an update, so an episode holds one
+version per turn, possibly several. The unit scored at a version hook is then the finished turn (the episode's
+prefix up to and including it, offered by the episode launcher as it completes), cached under (prefix tokens,
+version); a consumed episode takes each turn's log-probs from the entry of its own prefix and version, and only
+turns of the held version are scored when consumed.
 """
 
 from __future__ import annotations
@@ -17,16 +23,16 @@ import torch
 from mcore_rl.batch import build_rollout_batch
 from mcore_rl.distributed import broadcast_object
 from mcore_rl.oldlogp.base import OldLogpSource, SourceContext
-from mcore_rl.oldlogp.interrupt import check_single_version
+from mcore_rl.oldlogp.interrupt import check_single_version, turn_spans
 from mcore_rl.oldlogp.registry import register_source
 
 
-def _row_key(tokens: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor) -> tuple | None:
-    pos = (mask > 0).nonzero().flatten()
-    if pos.numel() == 0:
-        return None
-    end = int(pos.max()) + 1
-    return tuple(tokens[:end].tolist()), int(versions[pos].max())
+def _span_keys(tokens: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor) -> list[tuple[int, int, tuple]]:
+    """Per model turn of a row: (start, end, key); key = (the row's tokens through the turn, the turn's version).
+    A log-prob depends only on the tokens before it, so a turn scored as the end of its prefix is the same turn
+    scored inside the whole episode."""
+    toks = tokens.tolist()
+    return [(a, b, (tuple(toks[:b]), int(versions[a]))) for a, b in turn_spans(mask)]
 
 
 @register_source("old_logit_model")
@@ -77,30 +83,30 @@ class OldLogitModelSource(OldLogpSource):
         check_single_version(rb)
         logp = self.model.logprobs(rb.policy_batch(), self.ctx.temperature)
         for i in range(n):
-            key = _row_key(rb.tokens[i], rb.loss_mask[i], rb.versions[i])
-            entry = self.cache.setdefault(key, [None if logp is None else logp[i].clone(), 0])
-            entry[1] += 1  # identical samples (same tokens, same version) share one entry
+            for _, b, key in _span_keys(rb.tokens[i], rb.loss_mask[i], rb.versions[i]):
+                entry = self.cache.setdefault(key, [None if logp is None else logp[i, :b].clone(), 0])
+                entry[1] += 1  # identical samples (same tokens, same version) share one entry
         self.scored_early += n
 
     def compute(self, rb, version: int):
         check_single_version(rb)
-        keys = [_row_key(rb.tokens[i], rb.loss_mask[i], rb.versions[i]) for i in range(len(rb))]
-        miss = [i for i, k in enumerate(keys) if k is not None and k not in self.cache]
-        wrong = [keys[i][1] for i in miss if keys[i][1] != self.held]
+        spans = [_span_keys(rb.tokens[i], rb.loss_mask[i], rb.versions[i]) for i in range(len(rb))]
+        unscored = [(i, s) for i, row in enumerate(spans) for s in row if s[2] not in self.cache]
+        wrong = sorted({s[2][1] for _, s in unscored if s[2][1] != self.held})
         if wrong:
-            raise RuntimeError(f"old_logit_model holds version {self.held} but unscored samples carry versions "
-                               f"{sorted(set(wrong))}: they finished without being scored at their version")
+            raise RuntimeError(f"old_logit_model holds version {self.held} but unscored turns carry versions "
+                               f"{wrong}: they finished without being scored at their version")
+        miss = sorted({i for i, _ in unscored})
         fresh = self.model.logprobs(rb.select(miss).policy_batch(), self.ctx.temperature) if miss else None
         last = self.model.is_last_stage()
         out = torch.zeros_like(rb.rollout_logp) if last else None
         if last:
-            for j, i in enumerate(miss):
-                out[i] = fresh[j, :out.shape[1]]
-            for i, k in enumerate(keys):
-                if k is not None and i not in miss:
-                    row = self.cache[k][0]
-                    n = min(row.shape[0], out.shape[1])
-                    out[i, :n] = row[:n]
+            row_of = {i: j for j, i in enumerate(miss)}
+            for i, row in enumerate(spans):
+                for a, b, key in row:
+                    src = self.cache[key][0] if key in self.cache else fresh[row_of[i]]
+                    out[i, a:b] = src[a:b]
+        keys = [key for row in spans for _, _, key in row]
         for k in keys:
             if k in self.cache:
                 self.cache[k][1] -= 1

@@ -93,6 +93,9 @@ class Sample:
     matched_stop: int | str | None = None  # the stop token id or stop string that ended the sample
     sample_index: int = 0  # which of the request's n samples this is
     metadata: dict[str, Any] = field(default_factory=dict)
+    # 1 where the policy produced output_ids[i]; None = all of them. A multi-turn episode (mcore_rl/envs) is one
+    # Sample whose tool / environment tokens between turns are 0 here (no loss, log-prob 0.0, version -1).
+    output_mask: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -101,6 +104,8 @@ class Sample:
                 f"Sample(rid={self.rid!r}): {n} output_ids but {len(self.output_logprobs)} logprobs and "
                 f"{len(self.weight_versions)} weight_versions"
             )
+        if self.output_mask is not None and len(self.output_mask) != n:
+            raise ValueError(f"Sample(rid={self.rid!r}): {n} output_ids but {len(self.output_mask)} mask entries")
 
     @property
     def num_output_tokens(self) -> int:

@@ -59,15 +59,20 @@ class Components:
     stop: StopFlag
     engine: Any = None  # rank 0
     reward_fn: Any = None  # rank 0
+    episodes: Any = None  # rank 0 with env=NAME: the episode launcher (trainer/episodes.py)
 
     def close(self) -> None:
         """Rank 0 at the end: rounds generated ahead that no update will consume, logs, reward workers, engine."""
         if self.rank != 0:
             return
         self.schedule.close()
+        if self.episodes is not None:
+            self.episodes.close()
+            self.episodes.source.close()
         self.prompts_log.close()
         self.runlog.close()
-        self.reward_fn.close()
+        if self.reward_fn is not None:
+            self.reward_fn.close()
         self.engine.close()
 
 
@@ -112,6 +117,12 @@ def _prompt_source(cfg: MainConfig, model_dir: Path) -> Any:
     from mcore_rl.trainer.prompts import PromptSource
 
     t = cfg.trainer
+    if cfg.env is not None:  # env=NAME: the environment's records start episodes (trainer/episodes.py)
+        from mcore_rl.trainer.episodes import EnvPromptSource
+
+        return EnvPromptSource(dict(cfg.env), cfg.eval, model_dir, seed=cfg.seed,
+                               prompts_per_update=t.prompts_per_update,
+                               retire_pass_rate=cfg.algorithm.retire_pass_rate)  # fmt: skip
     return PromptSource(
         cfg.data,
         cfg.eval,
@@ -139,19 +150,28 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
     data = _prompt_source(cfg, model_dir) if lay.rank == 0 else None  # before the model: data errors fail fast
     dtype = resolve_dtype(cfg.model.dtype)  # auto -> measured once; every part below gets the resolved value
     p = _Parts(*load_policies(cfg, model_dir, dtype, algorithm), engine=None, reward_fn=None, data=data, compute=None)
+    if cfg.env is not None and lay.rank != 0:
+        from mcore_rl.trainer.episodes import build_env
+
+        build_env(dict(cfg.env))  # every rank refuses a bad env key, not only the one that runs episodes
     if lay.rank == 0:
         from mcore_rl.evaluation.compute import ComputeMeter, model_flops
         from mcore_rl.rewards import build_reward
 
         p.engine = make_engine(cfg.rollout, sched_cls, model_dir, dtype, deterministic, cfg.seed)
-        p.reward_fn = build_reward(cfg.reward)
+        p.reward_fn = build_reward(cfg.reward) if cfg.env is None else None  # env=NAME: the env rewards
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         p.compute = ComputeMeter(model_flops(model_dir), world, torch.cuda.is_available())
     record = config_record(cfg, dtype)
     runlog = RunLog(lay.run_dir, cfg.logging, cfg.trainer.steps, lay.rank == 0, dataclasses.asdict(record))
     state, stop = RunState(), StopFlag()
     stop.install()
-    ctx = ScheduleContext(cfg.algorithm, cfg.trainer, cfg.seed, deterministic, state, stop, p.engine, data)
+    if lay.rank == 0 and cfg.env is not None:
+        from mcore_rl.trainer.episodes import EpisodeLauncher
+
+        p.episodes = EpisodeLauncher(data, p.engine)
+    ctx = ScheduleContext(cfg.algorithm, cfg.trainer, cfg.seed, deterministic, state, stop, p.engine, data,
+                          episodes=p.episodes)  # fmt: skip
     schedule = sched_cls(ctx)
     oldlogp = _oldlogp_source(cfg, model_dir, dtype, p.policy, p.engine, schedule.depth)
     c = _assemble(cfg, lay, model_dir, algorithm, schedule, oldlogp, p, stop, runlog)
@@ -195,6 +215,7 @@ class _Parts:
     reward_fn: Any
     data: Any
     compute: Any
+    episodes: Any = None
 
 
 def _round_parts(
@@ -203,7 +224,8 @@ def _round_parts(
     t = cfg.trainer
     passes = int(algorithm.needs_old_logp) + int(p.ref is not None) + int(p.ewma is not None)
     rounds = Rounds(schedule, lay.rank, t.samples_per_prompt, t.prompts_per_update, cfg.algorithm, data=p.data,
-                    reward_fn=p.reward_fn, compute=p.compute, engine=p.engine, scoring_passes=passes)  # fmt: skip
+                    reward_fn=p.reward_fn, compute=p.compute, engine=p.engine, scoring_passes=passes,
+                    episodes=cfg.env is not None)  # fmt: skip
     prompts_log = PromptsLog(lay.run_dir / "prompts.jsonl", enabled=lay.rank == 0)
     guard = NonFiniteGuard(max_consecutive=t.max_nonfinite_skips)
     learner = Learner(p.policy, algorithm, oldlogp, guard, t.temperature, lay.dp, lay.dp_rank, prompts_log,
@@ -218,6 +240,8 @@ def _assemble(
     t = cfg.trainer
     rounds, learner, prompts_log = _round_parts(cfg, lay, algorithm, schedule, oldlogp, p)
     finished = schedule.finished_samples if lay.rank == 0 else None
+    if p.episodes is not None:  # episodes: the unit an old-logit model scores at its version is the finished turn
+        finished = p.episodes.finished_turns
     weights = WeightSync(p.policy, p.engine, cfg.rollout.sync_mode, sync_options(cfg.rollout, model_dir),
                          t.sync_weights, oldlogp, finished)  # fmt: skip
     evaluator = Evaluator(cfg.eval, lay.run_dir, runlog, engine=p.engine, reward_fn=p.reward_fn, data=p.data,
@@ -227,4 +251,4 @@ def _assemble(
                                 from_mcore_ckpt=bool(cfg.model.mcore_ckpt))  # fmt: skip
     return Components(t, lay.rank, lay.run_dir, model_dir, p.policy, algorithm, schedule, oldlogp, rounds, learner,
                       weights, evaluator, checkpointer, runlog, prompts_log, stop, engine=p.engine,
-                      reward_fn=p.reward_fn)  # fmt: skip
+                      reward_fn=p.reward_fn, episodes=p.episodes)  # fmt: skip

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.config import EvalConfig
-from mcore_rl.evaluation.runner import evaluate_sets
 from mcore_rl.trainer.runlog import RunLog
 from mcore_rl.trainer.state import RunState
 
@@ -48,16 +47,11 @@ class Evaluator:
     def _run(self, update: int) -> None:
         e = self.settings
         t0, c0 = time.perf_counter(), time.process_time()
-        m = evaluate_sets(
-            self.engine,
-            self.reward_fn,
-            self.data.eval_sets(self.reward_fn),
-            e.samples_per_prompt,
-            e.temperature,
-            e.max_new_tokens,
-            e.seed,
-            self.data.stop_token_ids,
-        )
+        m = self.data.heldout(
+            self.engine, self.reward_fn, e
+        )  # the data's sets, or the environment's episodes
+        if not m:
+            return
         m["time_eval"] = time.perf_counter() - t0
         self.compute.add_eval_time(m["time_eval"], time.process_time() - c0)
         m.update(self.compute.record())

@@ -151,6 +151,13 @@ class PromptSource:
         self._eval_sets = out
         return out
 
+    def heldout(self, engine: Any, reward_fn: Any, e: EvalConfig) -> dict[str, Any]:
+        """The trainer's periodic evaluation of the held-out set(s) (evaluation/runner.py: evaluate_sets)."""
+        from mcore_rl.evaluation.runner import evaluate_sets
+
+        return evaluate_sets(engine, reward_fn, self.eval_sets(reward_fn), e.samples_per_prompt, e.temperature,
+                             e.max_new_tokens, e.seed, self.stop_token_ids)  # fmt: skip
+
     def _render(self, rec) -> Prompt:
         ids = self._cache.get(rec.prompt_id)
         if ids is None:

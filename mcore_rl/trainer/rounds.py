@@ -17,6 +17,7 @@ from typing import Any
 from mcore_rl.agreement import FatalRunError
 from mcore_rl.batch import RolloutBatch, build_rollout_batch
 from mcore_rl.distributed import broadcast_object
+from mcore_rl.envs.batch import summary_metrics
 from mcore_rl.rewards.base import failure_counts
 from mcore_rl.trainer.schedule import Generated, Schedule
 from mcore_rl.trainer.state import RunState
@@ -46,12 +47,13 @@ class Rounds:
 
     def __init__(self, schedule: Schedule, rank: int, samples_per_prompt: int, prompts_per_update: int,
                  algorithm_config: Any, data: Any = None, reward_fn: Any = None, compute: Any = None,
-                 engine: Any = None, scoring_passes: int = 0) -> None:
+                 engine: Any = None, scoring_passes: int = 0, episodes: bool = False) -> None:
         self.schedule, self.rank, self.G, self.per_update = schedule, rank, samples_per_prompt, prompts_per_update
         self.dynamic_sampling = algorithm_config.dynamic_sampling
         self.max_sampling_rounds = algorithm_config.max_sampling_rounds
         self.data, self.reward_fn, self.compute, self.engine = data, reward_fn, compute, engine
         self.scoring_passes = scoring_passes  # trainer forwards per sample besides the update (compute meter)
+        self.episodes = episodes  # samples are environment episodes: rewards and episode metrics come with them
 
     def next(self, num_updates: int, state: RunState) -> Round | None:
         """The next round on every rank; None when a stop signal (Slurm preemption) arrived during generation:
@@ -95,6 +97,12 @@ class Rounds:
     def _score(self, gen: Generated) -> tuple[list[float], list[bool], dict[str, float]]:
         """Score a round's samples; feeds the pass-rate history and the compute meter."""
         G = self.G
+        if self.episodes:  # env=NAME: the environment rewarded each episode (trainer/episodes.py)
+            eps = [s.metadata["episode"] for s in gen.samples]
+            rewards, correct = [float(e["reward"]) for e in eps], [bool(e["correct"]) for e in eps]
+            self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in gen.samples],
+                                   self.scoring_passes)  # fmt: skip
+            return rewards, correct, {}
         results = self.reward_fn.score([s.text or "" for s in gen.samples],
                                        [p.answer for p in gen.prompts for _ in range(G)])
         rewards, correct = [r.score for r in results], [bool(r.correct) for r in results]
@@ -113,6 +121,8 @@ class Rounds:
         if self.dynamic_sampling:
             groups, metrics["dynamic_sampling_rounds"] = self._fill_varied(groups, len(groups))
         metrics["zero_variance_groups"] = float(sum(not _varies(g) for g in groups))
+        if self.episodes:  # the episodes that train (after dynamic sampling's selection)
+            metrics.update(summary_metrics([s.metadata["episode"] for g in groups for s in g[1]]))
         metrics["time_reward"] = time.perf_counter() - t0
         return {"index": gen.index, "prompts": [g[0] for g in groups], "samples": [s for g in groups for s in g[1]],
                 "rewards": [r for g in groups for r in g[2]], "correct": [c for g in groups for c in g[3]],

@@ -12,9 +12,8 @@ from omegaconf import DictConfig, ListConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "hydra_conf"
-# groups of the main config (hydra/ is Hydra's own: its launcher yaml is checked by tests/slurm; env/ is not in the
-# main config until the trainer runs environments: tests/envs/test_env_config.py checks its keys meanwhile)
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "env"))
+# groups of the main config (hydra/ is Hydra's own: its launcher yaml is checked by tests/slurm)
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 # options that need a value no yaml can carry
 REQUIRED = {"model=hf": ["model.hf_path=/nonexistent/hf-folder"]}
 

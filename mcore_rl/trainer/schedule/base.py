@@ -46,6 +46,7 @@ class ScheduleContext:
     stop: Any                       # StopFlag: generation waits give up when a stop is requested
     engine: Any = None
     data: Any = None
+    episodes: Any = None            # env=NAME: trainer.episodes.EpisodeLauncher (each sample is an episode)
 
 
 @dataclass
@@ -189,7 +190,10 @@ class Schedule:
             seed=r.seed, stop_token_ids=self.data.stop_token_ids)) for r in todo]
         if not reqs:
             return
-        futures = self.engine.submit(reqs)
+        if self.ctx.episodes is not None:  # every sample is a whole episode (trainer/episodes.py)
+            futures = self.ctx.episodes.submit(reqs, [r.prompt for r in todo])
+        else:
+            futures = self.engine.submit(reqs)
         G = t.samples_per_prompt
         for i, r in enumerate(todo):
             r.futures = futures[i * G:(i + 1) * G]

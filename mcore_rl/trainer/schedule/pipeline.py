@@ -19,8 +19,9 @@ from mcore_rl.trainer.schedule.base import SCHEDULES, Generated, Schedule, Sched
 
 
 def staleness(version: int, samples) -> int:
-    """Versions the oldest token of `samples` lags `version` (0 when nothing was generated)."""
-    oldest = min((v for s in samples for v in s.weight_versions), default=version)
+    """Versions the oldest policy token of `samples` lags `version` (0 when nothing was generated); tool and
+    environment tokens of an episode carry version -1 and are not the policy's."""
+    oldest = min((v for s in samples for v in s.weight_versions if v >= 0), default=version)
     return version - oldest
 
 
