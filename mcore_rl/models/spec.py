@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from mcore_rl.config.model import Fp8Config  # noqa: F401  (the schema of model.fp8; re-exported)
 from mcore_rl.models.base import ModelArgs
+from mcore_rl.models.rope import softmax_scale
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -113,6 +114,9 @@ def transformer_config_kwargs(a: ModelArgs, build: BuildConfig) -> dict:
         add_bias_linear=False,
         add_qkv_bias=a.qkv_bias,
         qk_layernorm=a.qk_norm,
+        softmax_scale=softmax_scale(a.rope, a.head_dim),  # YaRN's attention factor (models/rope.py)
+        # HF's window w: keys i - w < j <= i, i.e. w - 1 to the left (Megatron/TE's (left, right) convention)
+        window_size=(a.sliding_window - 1, 0) if a.sliding_window else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=build.init_std,

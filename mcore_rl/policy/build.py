@@ -9,6 +9,7 @@ import torch
 from mcore_rl.config.optim import OptimSettings
 from mcore_rl.models.base import ModelArgs
 from mcore_rl.models.moe_spec import moe_config_kwargs, moe_layer_spec, validate_moe_parallel
+from mcore_rl.models.rope import set_rotary
 from mcore_rl.models.spec import (
     BuildConfig,
     ddp_config_kwargs,
@@ -72,9 +73,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=args.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(args.rope_theta),
-        rope_scaling=args.rope_scaling_factor is not None,
-        rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
+    set_rotary(model, args.rope, args.head_dim)  # HF's RoPE variant (models/rope.py), before any forward
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
     from mcore_rl.compat import fused_ops
 
