@@ -15,10 +15,10 @@ pytestmark = pytest.mark.convert
 
 
 def _configs():
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     return {"LlamaForCausalLM": LlamaConfig(), "Qwen2ForCausalLM": Qwen2Config(), "Qwen3ForCausalLM": Qwen3Config(),
-            "Qwen3MoeForCausalLM": Qwen3MoeConfig()}
+            "Qwen3MoeForCausalLM": Qwen3MoeConfig(), "MistralForCausalLM": MistralConfig()}
 
 
 def _as_dict(arch: str, config) -> dict:
@@ -27,7 +27,8 @@ def _as_dict(arch: str, config) -> dict:
     return d
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                  "MistralForCausalLM"])
 def test_every_field_of_a_real_config_is_declared(arch):
     cfg = _as_dict(arch, _configs()[arch])
     family = family_for(cfg)
@@ -45,9 +46,14 @@ REFUSED = [  # (architecture, field, value, words in the one-line message)
     ("LlamaForCausalLM", "attention_bias", True, "o_proj"),
     ("LlamaForCausalLM", "mlp_bias", True, "only False"),
     ("LlamaForCausalLM", "hidden_act", "gelu", "only 'silu'"),
-    ("LlamaForCausalLM", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "yarn"),
+    ("LlamaForCausalLM", "rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}, "dynamic"),
+    ("LlamaForCausalLM", "rope_parameters", {"rope_type": "longrope", "short_factor": [1.0], "rope_theta": 1e4},
+     "longrope"),
     ("LlamaForCausalLM", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
-                                             "rope_theta": 5e5}, "low_freq_factor"),
+                                             "rope_theta": 5e5}, "high_freq_factor"),
+    ("LlamaForCausalLM", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5,
+                                             "rope_theta": 1e4}, "partial_rotary_factor"),
+    ("MistralForCausalLM", "sliding_window", 0, "positive"),
     ("Qwen2ForCausalLM", "use_sliding_window", True, "use_sliding_window=True"),
     ("Qwen3ForCausalLM", "layer_types", ["sliding_attention"] * 4, "full_attention only"),
     ("Qwen3ForCausalLM", "attn_logit_softcapping", 30.0, "unknown"),

@@ -1,0 +1,67 @@
+"""Two RL updates through `mcore-rl-train model=hf` for the new families (Llama 3.x RoPE, YaRN, Mistral with a
+sliding window), each a tiny random model from transformers' own config class with the SmolLM2 tokenizer. The
+contexts are tiny on purpose (original context 32, window 16) so the prompts run past them: the load-time logits
+check, the two gradient steps, and the engine's log-probs after weight sync (step 2 samples with step 1's weights)
+all see the scaled / windowed positions."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_train_tiny import records, run
+
+pytestmark = pytest.mark.e2e
+FAST = ["eval.num_prompts=0", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
+        "trainer.max_new_tokens=8", "logging.progress=false", "trainer.export_hf=false",
+        # random model, all rewards 0: an entropy bonus makes step 1 move the weights that step 2's engine samples with
+        "algorithm.entropy_coef=0.01", "optim.lr=1e-3", "algorithm.updates_per_rollout=1", "trainer.steps=2",
+        "model.load_check.enabled=true"]
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048)
+FAMILIES = {
+    "llama3": ("llama", dict(rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=32,
+                                                  rope_theta=10000.0))),
+    "qwen3-yarn": ("qwen3", dict(head_dim=32, max_position_embeddings=128, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0))),
+    "mistral-window": ("mistral", dict(head_dim=16, sliding_window=16)),
+}
+
+
+def tiny_folder(root: Path, model_type: str, fields: dict) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from mcore_rl.models.smollm2 import materialize_smollm2
+
+    tok = AutoTokenizer.from_pretrained(materialize_smollm2())
+    config = AutoConfig.for_model(model_type, **{**SHAPE, **fields}, vocab_size=len(tok), tie_word_embeddings=True,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_two_updates_through_the_cli(name, tmp_path):
+    try:
+        model_type, fields = FAMILIES[name]
+        hf = tiny_folder(tmp_path / "hf", model_type, fields)
+    except FileNotFoundError as e:  # no SmolLM2 tokenizer on this machine
+        pytest.skip(str(e))
+    run_dir = tmp_path / "run"
+    proc = run([sys.executable, "-m", "mcore_rl.train", "model=hf", f"model.hf_path={hf}", *FAST,
+                f"run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[0]["grad_norm"] > 1e-4 and recs[1]["weight_version"] == 1.0
+    # step 2 was sampled by the synced engine (transformers' own model): same log-probs as the policy
+    assert recs[1]["train_rollout_logprob_abs_diff"] < 1e-5
+    line = next(ln for ln in proc.stderr.splitlines() if "load check:" in ln)
+    assert line.rstrip().endswith("OK") and float(line.split("max_abs_logit_diff=")[1].split()[0]) < 1e-4
