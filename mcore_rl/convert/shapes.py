@@ -31,6 +31,9 @@ _SHAPES: dict[str, Callable[[ModelArgs], tuple[int, ...]]] = {
     "self_attention.linear_proj.weight": lambda a: (a.hidden_size, a.num_attention_heads * a.head_dim),
     "mlp.linear_fc1.weight": lambda a: (2 * a.ffn_hidden_size, a.hidden_size),
     "mlp.linear_fc2.weight": lambda a: (a.hidden_size, a.ffn_hidden_size),
+    "self_attention.linear_proj.bias": lambda a: (a.hidden_size,),
+    "mlp.linear_fc1.bias": lambda a: (2 * a.ffn_hidden_size,),
+    "mlp.linear_fc2.bias": lambda a: (a.hidden_size,),
 }
 # MoE: the router and each routed expert (global expert index in the name)
 _MOE_SHAPES: dict[str, Callable[[ModelArgs], tuple[int, ...]]] = {

@@ -72,6 +72,8 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    linear_bias: bool = False  # biases on every other linear too: o_proj, gate/up/down (Megatron add_bias_linear)
+    activation: str = "silu"  # HF hidden_act (models/activations.py)
     rope: RopeArgs = field(default_factory=RopeArgs)  # rotary type and parameters (frequencies, attention factor)
     moe: MoeArgs | None = None  # Mixture-of-Experts MLPs (None = dense)
     sliding_window: int | None = None  # attend to the last `sliding_window` tokens only (None = full causal)
@@ -143,6 +145,7 @@ class ModelFamily:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
+            activation=hf.get("hidden_act", "silu"),
             rope=rope,
             moe=self.moe_args(hf),
             hf_config=hf,

@@ -89,6 +89,12 @@ def _full_attention_only(value: Any, hf: Mapping[str, Any]) -> str | None:
     return f"layer types {bad} are not implemented (full_attention only)" if bad else None
 
 
+def _activation_check(value: Any, hf: Mapping[str, Any]) -> str | None:
+    from mcore_rl.models.activations import activation_refusal
+
+    return activation_refusal(value, hf)
+
+
 # Fields every Llama-like decoder (Llama, Qwen2, Qwen3, Qwen3-MoE) maps the same way.
 DECODER_FIELDS: dict[str, Field] = {
     **{k: mapped() for k in (
@@ -97,7 +103,7 @@ DECODER_FIELDS: dict[str, Field] = {
         "rope_theta")},
     "rope_parameters": mapped(_rope_check),
     "rope_scaling": mapped(_rope_check),
-    "hidden_act": fixed("silu"),
+    "hidden_act": mapped(_activation_check),
     "attention_dropout": fixed(0, 0.0, why="Megatron's policy runs without dropout"),
     "attention_bias": fixed(False, why="HF also puts a bias on o_proj, which Megatron's GPT has not"),
     "pretraining_tp": harmless("HF no longer splits the matmuls by it"),

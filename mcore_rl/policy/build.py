@@ -32,7 +32,7 @@ def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
 def transformer_config_dict(args: ModelArgs, build: BuildConfig, impl: str, trainable: bool = True) -> dict:
     """Everything TransformerConfig gets, as a dict (testable on CPU for the TE spec without building TE)."""
     kwargs = transformer_config_kwargs(args, build)
-    kwargs.update(fusion_kwargs(impl, trainable))  # Megatron/TE fused kernels: TE spec only
+    kwargs.update(fusion_kwargs(impl, trainable, args.activation))  # Megatron/TE fused kernels: TE spec only
     kwargs.update(moe_config_kwargs(args, build.ep, build.moe_aux_loss_coeff))  # {} for dense models
     return kwargs
 

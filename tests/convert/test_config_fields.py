@@ -44,8 +44,9 @@ def test_every_field_of_a_real_config_is_declared(arch):
 
 REFUSED = [  # (architecture, field, value, words in the one-line message)
     ("LlamaForCausalLM", "attention_bias", True, "o_proj"),
-    ("LlamaForCausalLM", "mlp_bias", True, "only False"),
-    ("LlamaForCausalLM", "hidden_act", "gelu", "only 'silu'"),
+    ("LlamaForCausalLM", "mlp_bias", True, "must be equal"),
+    ("LlamaForCausalLM", "hidden_act", "gelu_fast", "gelu_pytorch_tanh"),
+    ("Qwen2ForCausalLM", "attention_bias", True, "only False"),
     ("LlamaForCausalLM", "rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}, "dynamic"),
     ("LlamaForCausalLM", "rope_parameters", {"rope_type": "longrope", "short_factor": [1.0], "rope_theta": 1e4},
      "longrope"),

@@ -1,6 +1,6 @@
 """The families people post-train, at tiny size, from transformers' own config classes: Llama 3.x RoPE (llama3
 frequency bands), linear and YaRN RoPE scaling (incl. YaRN's attention factor), Mistral with and without a sliding
-window. Each converts HF -> Megatron, gives transformers' logits (max |diff| <= 1e-5, fp32) on a short prompt and
+window, Llama with biases and GELU. Each converts HF -> Megatron, gives transformers' logits (max |diff| <= 1e-5, fp32) on a short prompt and
 on a 1100-token one (positions far beyond `original_max_position_embeddings`=256 and beyond the window), and comes
 back bit-exact."""
 
@@ -62,9 +62,17 @@ def mistral_config(sliding_window: int | None = None):
                          rope_parameters=dict(rope_type="default", rope_theta=10000.0))
 
 
+def llama_bias_gelu_config():
+    """Llama-architecture custom model: q/k/v/o and gate/up/down biases, tanh-approximated GELU."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_SHAPE, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh",
+                       max_position_embeddings=2048, rope_parameters=dict(rope_type="default", rope_theta=1e4))
+
+
 CONFIGS = {"llama3": llama3_config, "linear": linear_config, "qwen3-yarn": qwen3_yarn_config,
            "qwen2-yarn-mscale": qwen2_yarn_mscale_config, "mistral": mistral_config,
-           "mistral-window": lambda: mistral_config(64)}
+           "mistral-window": lambda: mistral_config(64), "llama-bias-gelu": llama_bias_gelu_config}
 NAMES = list(CONFIGS)
 
 

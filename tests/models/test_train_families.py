@@ -18,7 +18,7 @@ FAST = ["eval.num_prompts=0", "trainer.prompts_per_update=2", "trainer.samples_p
         "trainer.max_new_tokens=8", "logging.progress=false", "trainer.export_hf=false",
         # random model, all rewards 0: an entropy bonus makes step 1 move the weights that step 2's engine samples with
         "algorithm.entropy_coef=0.01", "optim.lr=1e-3", "algorithm.updates_per_rollout=1", "trainer.steps=2",
-        "model.load_check.enabled=true"]
+        "model.load_check.enabled=true", "model.dtype=fp32"]
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048)
 FAMILIES = {
@@ -60,7 +60,7 @@ def test_two_updates_through_the_cli(name, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [1, 2]
-    assert recs[0]["grad_norm"] > 1e-4 and recs[1]["weight_version"] == 1.0
+    assert min(r["grad_norm"] for r in recs) > 1e-5 and recs[1]["weight_version"] == 1.0
     # step 2 was sampled by the synced engine (transformers' own model): same log-probs as the policy
     assert recs[1]["train_rollout_logprob_abs_diff"] < 1e-5
     line = next(ln for ln in proc.stderr.splitlines() if "load check:" in ln)
