@@ -20,11 +20,13 @@ from mcore_rl.registry import Registry
 _PKG = "mcore_rl.models"
 FAMILIES: Registry[type[ModelFamily]] = Registry("architecture", {
     "LlamaForCausalLM": f"{_PKG}.llama", "Qwen2ForCausalLM": f"{_PKG}.qwen", "Qwen3ForCausalLM": f"{_PKG}.qwen",
-    "Qwen3MoeForCausalLM": f"{_PKG}.qwen3_moe", "MistralForCausalLM": f"{_PKG}.mistral",
+    "Qwen3MoeForCausalLM": f"{_PKG}.qwen3_moe", "Qwen2MoeForCausalLM": f"{_PKG}.qwen2_moe",
+    "MistralForCausalLM": f"{_PKG}.mistral",
 })  # fmt: skip
 # HF configs without `architectures` name their family by `model_type` only
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "mistral": "MistralForCausalLM"}
 
 
 def register_family(*architectures: str) -> Callable[[type[ModelFamily]], type[ModelFamily]]:
@@ -45,13 +47,18 @@ def supported_architectures() -> list[str]:
 
 @dataclass
 class MoeArgs:
-    """Mixture-of-Experts facts (every decoder layer's MLP is a routed MoE)."""
+    """Mixture-of-Experts facts: which decoder layers route, and the routed/shared experts' shapes."""
 
     num_experts: int
     topk: int
     ffn_hidden_size: int  # per routed expert
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1 (HF `norm_topk_prob`)
     shared_expert_size: int = 0  # 0 = no shared expert
+    shared_expert_gate: bool = False  # shared expert output scaled by sigmoid(x @ gate) (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is a plain dense MLP (HF mlp_only_layers / sparse step)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass
