@@ -57,9 +57,10 @@ def canonical_name(name: str) -> str:
 
 
 def _biases_together(value: Any, hf: dict[str, Any]) -> str | None:
-    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
-        return ("attention_bias and mlp_bias must be equal (Megatron's add_bias_linear puts biases on o_proj and "
-                "the MLP together)")
+    att, mlp = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if att != mlp:
+        return (f"attention_bias={att} and mlp_bias={mlp} must be equal (Megatron's add_bias_linear puts biases on "
+                "o_proj and the MLP together)")
     return None
 
 

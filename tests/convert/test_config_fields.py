@@ -15,10 +15,11 @@ pytestmark = pytest.mark.convert
 
 
 def _configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     return {"LlamaForCausalLM": LlamaConfig(), "Qwen2ForCausalLM": Qwen2Config(), "Qwen3ForCausalLM": Qwen3Config(),
-            "Qwen3MoeForCausalLM": Qwen3MoeConfig(), "MistralForCausalLM": MistralConfig()}
+            "Qwen3MoeForCausalLM": Qwen3MoeConfig(), "MistralForCausalLM": MistralConfig(),
+            "Qwen2MoeForCausalLM": Qwen2MoeConfig()}
 
 
 def _as_dict(arch: str, config) -> dict:
@@ -28,7 +29,7 @@ def _as_dict(arch: str, config) -> dict:
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                                  "MistralForCausalLM"])
+                                  "MistralForCausalLM", "Qwen2MoeForCausalLM"])
 def test_every_field_of_a_real_config_is_declared(arch):
     cfg = _as_dict(arch, _configs()[arch])
     family = family_for(cfg)
@@ -37,9 +38,12 @@ def test_every_field_of_a_real_config_is_declared(arch):
     undeclared = [k for k in cfg if k not in declared and not k.startswith("_") and not k.endswith("_token_id")]
     assert undeclared == []
     assert args.num_layers == cfg["num_hidden_layers"] and args.vocab_size == cfg["vocab_size"]
-    assert (args.moe is not None) == (arch == "Qwen3MoeForCausalLM")
-    if args.moe:
+    assert (args.moe is not None) == arch.endswith("MoeForCausalLM")
+    if arch == "Qwen3MoeForCausalLM":
         assert (args.moe.num_experts, args.moe.topk) == (128, 8)
+    if arch == "Qwen2MoeForCausalLM":
+        assert (args.moe.num_experts, args.moe.topk, args.moe.shared_expert_size) == (60, 4, 5632)
+        assert args.moe.shared_expert_gate and args.qkv_bias
 
 
 REFUSED = [  # (architecture, field, value, words in the one-line message)
@@ -58,8 +62,8 @@ REFUSED = [  # (architecture, field, value, words in the one-line message)
     ("Qwen2ForCausalLM", "use_sliding_window", True, "use_sliding_window=True"),
     ("Qwen3ForCausalLM", "layer_types", ["sliding_attention"] * 4, "full_attention only"),
     ("Qwen3ForCausalLM", "attn_logit_softcapping", 30.0, "unknown"),
-    ("Qwen3MoeForCausalLM", "decoder_sparse_step", 2, "decoder_sparse_step=2"),
-    ("Qwen3MoeForCausalLM", "mlp_only_layers", [0, 2], "dense layers"),
+    ("Qwen3MoeForCausalLM", "decoder_sparse_step", 0, "positive integer"),
+    ("Qwen3MoeForCausalLM", "mlp_only_layers", [0, 99], "[99] are not layers"),
     ("Qwen3MoeForCausalLM", "quantization_config", {"quant_method": "fp8"}, "unknown"),
 ]
 
@@ -82,7 +86,7 @@ def test_harmless_fields_pass():
 
 @pytest.mark.parametrize("make,field,value", [
     (qwen3_config, "attn_logit_softcapping", 50.0),
-    (qwen3_moe_config, "decoder_sparse_step", 2),
+    (qwen3_moe_config, "decoder_sparse_step", 0),
 ])
 def test_conversion_refuses_with_one_line(tmp_path, capsys, make, field, value):
     hf = save_random_model(tmp_path / "hf", make())
