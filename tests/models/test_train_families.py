@@ -28,6 +28,9 @@ FAMILIES = {
     "qwen3-yarn": ("qwen3", dict(head_dim=32, max_position_embeddings=128, rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0))),
     "mistral-window": ("mistral", dict(head_dim=16, sliding_window=16)),
+    # Qwen2-MoE: gated shared expert, dense layer 0 and MoE layer 1 (decoder_sparse_step=2)
+    "qwen2-moe-dense": ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                          num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2)),
 }
 
 
@@ -47,15 +50,14 @@ def tiny_folder(root: Path, model_type: str, fields: dict) -> Path:
     return root
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_two_updates_through_the_cli(name, tmp_path):
+def _two_updates(name: str, tmp_path: Path, launcher: list[str], *extra: str) -> list[dict]:
     try:
         model_type, fields = FAMILIES[name]
         hf = tiny_folder(tmp_path / "hf", model_type, fields)
     except FileNotFoundError as e:  # no SmolLM2 tokenizer on this machine
         pytest.skip(str(e))
     run_dir = tmp_path / "run"
-    proc = run([sys.executable, "-m", "mcore_rl.train", "model=hf", f"model.hf_path={hf}", *FAST,
+    proc = run([*launcher, "-m", "mcore_rl.train", "model=hf", f"model.hf_path={hf}", *FAST, *extra,
                 f"run.dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = records(run_dir)
@@ -65,3 +67,18 @@ def test_two_updates_through_the_cli(name, tmp_path):
     assert recs[1]["train_rollout_logprob_abs_diff"] < 1e-5
     line = next(ln for ln in proc.stderr.splitlines() if "load check:" in ln)
     assert line.rstrip().endswith("OK") and float(line.split("max_abs_logit_diff=")[1].split()[0]) < 1e-4
+    return recs
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_two_updates_through_the_cli(name, tmp_path):
+    _two_updates(name, tmp_path, [sys.executable])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # two ranks on a shared 2-core machine
+def test_moe_with_dense_layers_trains_with_ep2_under_torchrun(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    recs = _two_updates("qwen2-moe-dense", tmp_path, torchrun, "parallel=ep2")
+    loads = [v for k, v in recs[0].items() if k.startswith("moe_load_e")]
+    assert len(loads) == 4 and abs(sum(loads) - 1) < 1e-6  # the one MoE layer's 4 experts, all ranks counted
