@@ -28,6 +28,7 @@ FAMILIES = {
     "qwen3-yarn": ("qwen3", dict(head_dim=32, max_position_embeddings=128, rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0))),
     "mistral-window": ("mistral", dict(head_dim=16, sliding_window=16)),
+    "llama-bias-gelu": ("llama", dict(attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")),
     # Qwen2-MoE: gated shared expert, dense layer 0 and MoE layer 1 (decoder_sparse_step=2)
     "qwen2-moe-dense": ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                           num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2)),
