@@ -18,7 +18,9 @@ from mcore_rl.models.fields import mapped
 from mcore_rl.models.qwen3_moe import Qwen3MoeFamily
 
 Tensor = torch.Tensor
-_SHARED = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.shared_experts\.(linear_fc1\.weight|linear_fc2\.weight|gate_weight)$")
+_SHARED = re.compile(
+    r"^decoder\.layers\.(\d+)\.mlp\.shared_experts\.(linear_fc1\.weight|linear_fc2\.weight|gate_weight)$"
+)
 
 
 @register_family("Qwen2MoeForCausalLM")
@@ -53,9 +55,11 @@ class Qwen2MoeFamily(Qwen3MoeFamily):
         if m is None:
             return super().hf_sources(a, name)
         hp = f"model.layers.{m.group(1)}.mlp."
-        return {"linear_fc1.weight": [hp + "shared_expert.gate_proj.weight", hp + "shared_expert.up_proj.weight"],
-                "linear_fc2.weight": [hp + "shared_expert.down_proj.weight"],
-                "gate_weight": [hp + "shared_expert_gate.weight"]}[m.group(2)]
+        return {
+            "linear_fc1.weight": [hp + "shared_expert.gate_proj.weight", hp + "shared_expert.up_proj.weight"],
+            "linear_fc2.weight": [hp + "shared_expert.down_proj.weight"],
+            "gate_weight": [hp + "shared_expert_gate.weight"],
+        }[m.group(2)]
 
     def to_mcore(self, a: ModelArgs, name: str, get_hf: Callable[[str], Tensor]) -> Tensor:
         if _SHARED.match(name):

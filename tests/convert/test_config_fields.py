@@ -15,7 +15,14 @@ pytestmark = pytest.mark.convert
 
 
 def _configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     return {"LlamaForCausalLM": LlamaConfig(), "Qwen2ForCausalLM": Qwen2Config(), "Qwen3ForCausalLM": Qwen3Config(),
             "Qwen3MoeForCausalLM": Qwen3MoeConfig(), "MistralForCausalLM": MistralConfig(),
