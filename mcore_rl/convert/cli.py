@@ -74,12 +74,14 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
     _parallel_args(p)
     p.add_argument("--tol", type=float, default=1e-4, help="max |logit difference| allowed (fp32)")
     p.add_argument("--prompt", default=None, help="text to run (default: a GSM8K-style question)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="run N seeded random token ids instead of a prompt (e.g. beyond the original context)")
 
 
 def _run_verify(a: argparse.Namespace) -> int:
     from mcore_rl.convert.verify import verify
 
-    res = verify(a.hf, a.ckpt, a.tp, a.pp, a.prompt, ep=a.ep)
+    res = verify(a.hf, a.ckpt, a.tp, a.pp, a.prompt, ep=a.ep, n_random=a.tokens)
     print(res.line(a.tol, a.tp, a.pp) + (f" ep={a.ep}" if a.ep > 1 else ""))
     return 0 if res.max_abs_diff <= a.tol else 1
 

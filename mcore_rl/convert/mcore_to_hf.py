@@ -44,6 +44,8 @@ def checkpoint_box(reader: DistCheckpointReader, args: ModelArgs, name: str) -> 
     layer, rest = split_layer(name)
     want = mcore_shape(args, name)
     expert = _EXPERT.match(rest) if layer is not None else None
+    if layer is not None and layer in _per_layer_indices(reader):
+        return _per_layer_box(reader, args, name, layer, rest, expert, want)
     if expert:  # SequentialMLP experts are stored stacked over [layer, expert]
         return _expert_box(reader, args, layer, int(expert.group(1)), expert.group(2), want)
     if layer is None:
@@ -70,6 +72,34 @@ def checkpoint_box(reader: DistCheckpointReader, args: ModelArgs, name: str) -> 
     return key, (0,) * len(want), want
 
 
+def _per_layer_indices(reader: DistCheckpointReader) -> set[int]:
+    """Layers stored under 'decoder.layers.<i>.' keys: Megatron stores layers one by one (not stacked over a
+    leading layer axis) when they are not all alike, e.g. dense MLP layers among MoE layers."""
+    out = getattr(reader, "_per_layer_indices", None)
+    if out is None:
+        out = {int(m.group(1)) for k in reader.shapes if (m := re.match(r"^decoder\.layers\.(\d+)\.", k))}
+        reader._per_layer_indices = out
+    return out
+
+
+def _per_layer_box(reader: DistCheckpointReader, args: ModelArgs, name: str, layer: int, rest: str,
+                   expert: re.Match | None, want: tuple[int, ...]) -> Box:
+    p = f"decoder.layers.{layer}."
+    if expert:  # this layer's experts stacked over [expert]
+        key, e = f"{p}mlp.experts.experts.{expert.group(2)}", int(expert.group(1))
+        full = (args.moe.num_experts, *want)
+        if reader.shapes.get(key) != full:
+            raise ConvertError(f"tensor {key}: checkpoint has shape {reader.shapes.get(key)}, config implies {full}")
+        return key, (e, *([0] * len(want))), (1, *want)
+    keys = list(dict.fromkeys([p + rest, p + split_layer(te_name(name))[1]]))
+    key = next((k for k in keys if k in reader), None)
+    if key is None or reader.shapes[key] != want:
+        raise ConvertError(f"tensor {name} (checkpoint key {keys[-1]}, shape "
+                           f"{reader.shapes.get(key) if key else None}) does not match the config's {want} in "
+                           f"checkpoint {reader.path}")
+    return key, (0,) * len(want), want
+
+
 def _expert_box(reader: DistCheckpointReader, args: ModelArgs, layer: int, e: int, suffix: str,
                 want: tuple[int, ...]) -> Box:
     key = f"decoder.layers.mlp.experts.experts.{suffix}"
@@ -80,6 +110,11 @@ def _expert_box(reader: DistCheckpointReader, args: ModelArgs, layer: int, e: in
         raise ConvertError(f"tensor {key}: checkpoint has shape {reader.shapes[key]}, config implies {full} "
                            "(num_layers x num_experts x ...); is --hf-config the config of this checkpoint?")
     return key, (layer, e, *([0] * len(want))), (1, 1, *want)
+
+
+def _expert_axis(key: str) -> int:
+    """Experts stacked over [layer, expert] (all layers alike) or over [expert] (per-layer keys)."""
+    return 0 if re.match(r"^decoder\.layers\.\d+\.", key) else 1
 
 
 def _read_group(reader: DistCheckpointReader, boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
@@ -94,16 +129,20 @@ def _read_group(reader: DistCheckpointReader, boxes: dict[str, Box]) -> dict[str
             request[names[0]] = boxes[names[0]]
             continue
         first = boxes[names[0]]
-        last_e = max(boxes[n][1][1] for n in names)
-        request[key] = (key, first[1], (1, last_e - first[1][1] + 1, *first[2][2:]))
+        ax = _expert_axis(key)
+        last_e = max(boxes[n][1][ax] for n in names)
+        sizes = list(first[2])
+        sizes[ax] = last_e - first[1][ax] + 1
+        request[key] = (key, first[1], tuple(sizes))
     loaded = reader.read(request)
     out = {}
     for n, (key, offsets, _) in boxes.items():
         if n in loaded:
             out[n] = loaded[n]
         else:
-            start = request[key][1][1]
-            out[n] = loaded[key][:, offsets[1] - start: offsets[1] - start + 1]
+            ax = _expert_axis(key)
+            start = request[key][1][ax]
+            out[n] = loaded[key].narrow(ax, offsets[ax] - start, 1)
     return out
 
 

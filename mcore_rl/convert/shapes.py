@@ -31,12 +31,18 @@ _SHAPES: dict[str, Callable[[ModelArgs], tuple[int, ...]]] = {
     "self_attention.linear_proj.weight": lambda a: (a.hidden_size, a.num_attention_heads * a.head_dim),
     "mlp.linear_fc1.weight": lambda a: (2 * a.ffn_hidden_size, a.hidden_size),
     "mlp.linear_fc2.weight": lambda a: (a.hidden_size, a.ffn_hidden_size),
+    "self_attention.linear_proj.bias": lambda a: (a.hidden_size,),
+    "mlp.linear_fc1.bias": lambda a: (2 * a.ffn_hidden_size,),
+    "mlp.linear_fc2.bias": lambda a: (a.hidden_size,),
 }
 # MoE: the router and each routed expert (global expert index in the name)
 _MOE_SHAPES: dict[str, Callable[[ModelArgs], tuple[int, ...]]] = {
     "mlp.router.weight": lambda a: (a.moe.num_experts, a.hidden_size),
     "linear_fc1.weight": lambda a: (2 * a.moe.ffn_hidden_size, a.hidden_size),
     "linear_fc2.weight": lambda a: (a.hidden_size, a.moe.ffn_hidden_size),
+    "mlp.shared_experts.linear_fc1.weight": lambda a: (2 * a.moe.shared_expert_size, a.hidden_size),
+    "mlp.shared_experts.linear_fc2.weight": lambda a: (a.hidden_size, a.moe.shared_expert_size),
+    "mlp.shared_experts.gate_weight": lambda a: (1, a.hidden_size),
 }
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 # HF tensors that carry no information a Megatron checkpoint needs

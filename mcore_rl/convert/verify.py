@@ -50,8 +50,14 @@ class VerifyResult:
                 f"logit_absmax={self.ref_abs_max:.2f} {verdict}")
 
 
-def prompt_tokens(hf_dir: Path, vocab_size: int, prompt: str | None = None) -> tuple[torch.Tensor, str]:
-    """[1, n] token ids: the prompt through the model's tokenizer when it has one, else seeded random ids."""
+def prompt_tokens(hf_dir: Path, vocab_size: int, prompt: str | None = None,
+                  n_random: int | None = None) -> tuple[torch.Tensor, str]:
+    """[1, n] token ids: the prompt through the model's tokenizer when it has one, else seeded random ids
+    (`n_random` of them when given: long prompts check positions beyond a scaled RoPE's original context)."""
+    if n_random is not None:
+        if n_random < 1:
+            raise ConvertError(f"--tokens={n_random} must be >= 1")
+        return torch.randint(0, vocab_size, (1, n_random), generator=torch.Generator().manual_seed(0)), "random"
     has_tokenizer = any((hf_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     if has_tokenizer:
         from transformers import AutoTokenizer
@@ -106,7 +112,7 @@ def megatron_logits(ckpt: Path, hf_config: dict, tokens: torch.Tensor, tp: int, 
 
 
 def verify(hf_dir: str | Path, ckpt: str | Path, tp: int = 1, pp: int = 1, prompt: str | None = None,
-           ep: int = 1) -> VerifyResult:
+           ep: int = 1, n_random: int | None = None) -> VerifyResult:
     from mcore_rl.convert.hf_to_mcore import load_hf_model_info
     from mcore_rl.models.moe_spec import validate_moe_parallel
     from mcore_rl.models.spec import validate_parallel
@@ -120,7 +126,7 @@ def verify(hf_dir: str | Path, ckpt: str | Path, tp: int = 1, pp: int = 1, promp
         validate_moe_parallel(args, tp, ep)
     except ValueError as e:
         raise ConvertError(str(e)) from e
-    tokens, source = prompt_tokens(hf_dir, args.vocab_size, prompt)
+    tokens, source = prompt_tokens(hf_dir, args.vocab_size, prompt, n_random)
     ckpt_dtype = DistCheckpointReader(ckpt).dtypes.get("embedding.word_embeddings.weight", torch.float32)
     ref = hf_logits(hf_dir, tokens, ckpt_dtype)
     got = megatron_logits(ckpt, cfg or args.hf_config, tokens, tp, pp, ep)

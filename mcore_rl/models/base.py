@@ -14,16 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.models.fields import COMMON_FIELDS, DECODER_FIELDS, Field, check_fields
+from mcore_rl.models.rope import RopeArgs, rope_args
 from mcore_rl.registry import Registry
 
 _PKG = "mcore_rl.models"
 FAMILIES: Registry[type[ModelFamily]] = Registry("architecture", {
     "LlamaForCausalLM": f"{_PKG}.llama", "Qwen2ForCausalLM": f"{_PKG}.qwen", "Qwen3ForCausalLM": f"{_PKG}.qwen",
-    "Qwen3MoeForCausalLM": f"{_PKG}.qwen3_moe",
+    "Qwen3MoeForCausalLM": f"{_PKG}.qwen3_moe", "Qwen2MoeForCausalLM": f"{_PKG}.qwen2_moe",
+    "MistralForCausalLM": f"{_PKG}.mistral",
 })  # fmt: skip
 # HF configs without `architectures` name their family by `model_type` only
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "mistral": "MistralForCausalLM"}
 
 
 def register_family(*architectures: str) -> Callable[[type[ModelFamily]], type[ModelFamily]]:
@@ -44,13 +47,18 @@ def supported_architectures() -> list[str]:
 
 @dataclass
 class MoeArgs:
-    """Mixture-of-Experts facts (every decoder layer's MLP is a routed MoE)."""
+    """Mixture-of-Experts facts: which decoder layers route, and the routed/shared experts' shapes."""
 
     num_experts: int
     topk: int
     ffn_hidden_size: int  # per routed expert
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1 (HF `norm_topk_prob`)
     shared_expert_size: int = 0  # 0 = no shared expert
+    shared_expert_gate: bool = False  # shared expert output scaled by sigmoid(x @ gate) (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is a plain dense MLP (HF mlp_only_layers / sparse step)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass
@@ -71,8 +79,11 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
-    rope_scaling_factor: float | None = None  # llama3-style scaling factor, None = plain RoPE
+    linear_bias: bool = False  # biases on every other linear too: o_proj, gate/up/down (Megatron add_bias_linear)
+    activation: str = "silu"  # HF hidden_act (models/activations.py)
+    rope: RopeArgs = field(default_factory=RopeArgs)  # rotary type and parameters (frequencies, attention factor)
     moe: MoeArgs | None = None  # Mixture-of-Experts MLPs (None = dense)
+    sliding_window: int | None = None  # attend to the last `sliding_window` tokens only (None = full causal)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -125,13 +136,7 @@ class ModelFamily:
         self.check_config(hf)
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = None
-        if rope.get("rope_type") == "llama3" or rope.get("type") == "llama3":
-            scaling = float(rope["factor"])
-        elif rope.get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"unsupported rope type {rope.get('rope_type')!r} (supported: default, llama3)")
+        rope = rope_args(hf)
         return ModelArgs(
             architecture=(hf.get("architectures") or [self.architectures[0]])[0],
             num_layers=hf["num_hidden_layers"],
@@ -143,11 +148,12 @@ class ModelFamily:
             vocab_size=hf["vocab_size"],
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            rope_theta=rope.theta,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
-            rope_scaling_factor=scaling,
+            activation=hf.get("hidden_act", "silu"),
+            rope=rope,
             moe=self.moe_args(hf),
             hf_config=hf,
         )

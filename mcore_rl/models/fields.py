@@ -74,20 +74,10 @@ COMMON_FIELDS: dict[str, Field] = {
 
 
 def _rope_check(value: Any, hf: Mapping[str, Any]) -> str | None:
-    """Megatron implements plain RoPE and Llama-3 scaling with its fixed constants only."""
-    if not value:
-        return None
-    kind = value.get("rope_type", value.get("type", "default"))
-    if kind in (None, "default"):
-        extra = set(value) - {"rope_type", "type", "rope_theta"}
-        return f"keys {sorted(extra)} are not implemented for default RoPE" if extra else None
-    if kind == "llama3":
-        fixed_consts = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        for k, want in fixed_consts.items():
-            if k in value and float(value[k]) != float(want):
-                return f"llama3 RoPE with {k}={value[k]} (Megatron implements {want} only)"
-        return None
-    return f"rope type {kind!r} is not implemented (default, llama3)"
+    """Every RoPE type of models/rope.py with its own keys; anything else is refused."""
+    from mcore_rl.models.rope import rope_refusal
+
+    return rope_refusal(hf) if value else None
 
 
 def _sliding_window_check(value: Any, hf: Mapping[str, Any]) -> str | None:
@@ -99,6 +89,12 @@ def _full_attention_only(value: Any, hf: Mapping[str, Any]) -> str | None:
     return f"layer types {bad} are not implemented (full_attention only)" if bad else None
 
 
+def _activation_check(value: Any, hf: Mapping[str, Any]) -> str | None:
+    from mcore_rl.models.activations import activation_refusal
+
+    return activation_refusal(value, hf)
+
+
 # Fields every Llama-like decoder (Llama, Qwen2, Qwen3, Qwen3-MoE) maps the same way.
 DECODER_FIELDS: dict[str, Field] = {
     **{k: mapped() for k in (
@@ -107,7 +103,7 @@ DECODER_FIELDS: dict[str, Field] = {
         "rope_theta")},
     "rope_parameters": mapped(_rope_check),
     "rope_scaling": mapped(_rope_check),
-    "hidden_act": fixed("silu"),
+    "hidden_act": mapped(_activation_check),
     "attention_dropout": fixed(0, 0.0, why="Megatron's policy runs without dropout"),
     "attention_bias": fixed(False, why="HF also puts a bias on o_proj, which Megatron's GPT has not"),
     "pretraining_tp": harmless("HF no longer splits the matmuls by it"),

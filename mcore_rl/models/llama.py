@@ -1,4 +1,4 @@
-"""Llama family (SmolLM2, Llama-2/3): the HF<->Megatron state-dict adapter that Qwen2/Qwen3 reuse.
+"""Llama family (SmolLM2, Llama-2/3, with optional biases and any activation of models/activations.py): the HF<->Megatron state-dict adapter that Qwen2/Qwen3 reuse.
 
 Megatron names here are the *canonical* (local-spec, TP=1, global layer index) names. Layout differences:
 - QKV is one fused matrix, grouped per KV head: for each query group g -> [q heads of g | k_g | v_g].
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from mcore_rl.models.base import ModelArgs, ModelFamily, register_family
-from mcore_rl.models.fields import fixed
+from mcore_rl.models.fields import mapped
 
 Tensor = torch.Tensor
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -27,7 +28,10 @@ _LAYER_DIRECT = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
 }
+_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 _TE_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
@@ -52,9 +56,24 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def _biases_together(value: Any, hf: dict[str, Any]) -> str | None:
+    att, mlp = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if att != mlp:
+        return (f"attention_bias={att} and mlp_bias={mlp} must be equal (Megatron's add_bias_linear puts biases on "
+                "o_proj and the MLP together)")
+    return None
+
+
 @register_family("LlamaForCausalLM")
 class LlamaFamily(ModelFamily):
-    extra_fields = {"mlp_bias": fixed(False)}
+    # attention_bias: q/k/v/o biases; mlp_bias: gate/up/down biases (Megatron: add_qkv_bias + add_bias_linear)
+    extra_fields = {"mlp_bias": mapped(_biases_together), "attention_bias": mapped(_biases_together)}
+
+    def args(self, hf: dict[str, Any]) -> ModelArgs:
+        a = super().args(hf)
+        if hf.get("attention_bias") and "attention_bias" in self.fields():
+            a.qkv_bias = a.linear_bias = True
+        return a
 
     def mcore_names(self, a: ModelArgs) -> list[str]:
         """Every canonical Megatron tensor of the full model, in a streaming-friendly order."""
@@ -68,6 +87,8 @@ class LlamaFamily(ModelFamily):
                 names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
             names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
                       p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+            if a.linear_bias:
+                names += [p + "self_attention.linear_proj.bias", p + "mlp.linear_fc1.bias", p + "mlp.linear_fc2.bias"]
         names.append("decoder.final_layernorm.weight")
         if not a.tie_word_embeddings:
             names.append("output_layer.weight")
@@ -92,8 +113,9 @@ class LlamaFamily(ModelFamily):
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
             return [f"{hp}self_attn.{x}_proj.{kind}" for x in "qkv"]
-        if rest == "mlp.linear_fc1.weight":
-            return [hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"]
+        if rest in _FC1:
+            kind = rest.rsplit(".", 1)[1]
+            return [f"{hp}mlp.gate_proj.{kind}", f"{hp}mlp.up_proj.{kind}"]
         raise KeyError(f"no HF mapping for Megatron tensor {name!r}")
 
     def to_mcore(self, a: ModelArgs, name: str, get_hf: Callable[[str], Tensor]) -> Tensor:
@@ -101,7 +123,7 @@ class LlamaFamily(ModelFamily):
         srcs = [get_hf(s) for s in self.hf_sources(a, name)]
         if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
             return self._pack_qkv(a, *srcs)
-        if name.endswith("mlp.linear_fc1.weight"):
+        if name.endswith(_FC1):
             return torch.cat(srcs, dim=0)
         return srcs[0]
 
@@ -126,7 +148,7 @@ class LlamaFamily(ModelFamily):
             q, k, v = torch.split(grouped, [per * d, d, d], dim=1)
             for hf_name, t in zip(srcs, (q, k, v)):
                 yield hf_name, t.reshape(-1, *tail).contiguous()
-        elif name.endswith("mlp.linear_fc1.weight"):
+        elif name.endswith(_FC1):
             gate, up = torch.chunk(full, 2, dim=0)
             yield srcs[0], gate.contiguous()
             yield srcs[1], up.contiguous()

@@ -58,19 +58,40 @@ def moe_config_kwargs(a: ModelArgs, ep: int, aux_loss_coeff: float) -> dict[str,
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=aux_loss_coeff,
         moe_shared_expert_intermediate_size=m.shared_expert_size or None,
+        moe_shared_expert_gate=m.shared_expert_gate,
+        # 1 = MoE layer, 0 = dense MLP (moe_layer_spec builds the matching per-layer specs)
+        moe_layer_freq=[int(m.is_moe_layer(i)) for i in range(a.num_layers)] if m.dense_layers else 1,
         expert_model_parallel_size=ep,
     )
 
 
-def moe_layer_spec(a: ModelArgs, impl: str):
-    """Layer spec with a routed MoE MLP (SequentialMLP experts, so checkpoints name experts one by one)."""
+def _layer(a: ModelArgs, impl: str, num_experts: int | None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if impl == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=a.qk_norm)
+    return specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                          qk_layernorm=a.qk_norm, normalization="RMSNorm")
+
+
+def moe_layer_spec(a: ModelArgs, impl: str, pp_rank: int | None = None, pp: int | None = None):
+    """Layer spec with a routed MoE MLP (SequentialMLP experts, so checkpoints name experts one by one).
+
+    With dense layers among the MoE layers (HF `mlp_only_layers`, `decoder_sparse_step`), a block spec listing this
+    pipeline stage's layers, each MoE or dense (layers split evenly over stages: validate_parallel)."""
     from mcore_rl.compat import moe as moe_compat
 
     moe_compat.apply()
-    if impl == "transformer_engine":
-        return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=a.moe.num_experts, moe_grouped_gemm=False, qk_layernorm=a.qk_norm)
-    return specs.get_gpt_layer_local_spec(num_experts=a.moe.num_experts, moe_grouped_gemm=False,
-                                          qk_layernorm=a.qk_norm, normalization="RMSNorm")
+    if not a.moe.dense_layers:
+        return _layer(a, impl, a.moe.num_experts)
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    pp_rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+    pp = ps.get_pipeline_model_parallel_world_size() if pp is None else pp
+    per_stage = a.num_layers // pp
+    moe, dense = _layer(a, impl, a.moe.num_experts), _layer(a, impl, None)
+    layers = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    return TransformerBlockSubmodules(layer_specs=[moe if a.moe.is_moe_layer(i) else dense for i in layers],
+                                      layer_norm=LayerNormImpl)

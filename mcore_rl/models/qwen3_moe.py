@@ -1,4 +1,5 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention + a routed Mixture-of-Experts MLP in every layer.
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention + a routed Mixture-of-Experts MLP, in every layer or,
+with `mlp_only_layers` / `decoder_sparse_step`, in some layers and a dense MLP (Llama names) in the others.
 
 Megatron side (local spec, SequentialMLP experts): `mlp.router.weight` [E, H] and per expert
 `mlp.experts.local_experts.<e>.linear_fc1.weight` = [gate_e; up_e] and `linear_fc2.weight` = down_e. Canonical names
@@ -19,16 +20,29 @@ from typing import Any
 import torch
 
 from mcore_rl.models.base import ModelArgs, MoeArgs, register_family
-from mcore_rl.models.fields import fixed, harmless, mapped
+from mcore_rl.models.fields import harmless, mapped
 from mcore_rl.models.qwen import Qwen3Family
 
 Tensor = torch.Tensor
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_LAYER_MLP = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.(linear_fc1|linear_fc2)\.weight$")
 _ROUTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router\.weight$")
 
 
-def _all_layers_sparse(value: Any, hf: dict[str, Any]) -> str | None:
-    return f"dense layers {value} among MoE layers are not implemented" if value else None
+def _layer_list(value: Any, hf: dict[str, Any]) -> str | None:
+    n = hf.get("num_hidden_layers", 0)
+    bad = [i for i in (value or []) if not isinstance(i, int) or not 0 <= i < n]
+    return f"layer indices {bad} are not layers of a {n}-layer model" if bad else None
+
+
+def _sparse_step(value: Any, hf: dict[str, Any]) -> str | None:
+    return None if isinstance(value, int) and value >= 1 else "must be a positive integer"
+
+
+def dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+    """HF's rule: layer i routes iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    only, step = set(hf.get("mlp_only_layers") or []), int(hf.get("decoder_sparse_step", 1) or 1)
+    return tuple(i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step)
 
 
 @register_family("Qwen3MoeForCausalLM")
@@ -39,8 +53,8 @@ class Qwen3MoeFamily(Qwen3Family):
         "num_experts_per_tok": mapped(),
         "moe_intermediate_size": mapped(),
         "norm_topk_prob": mapped(),
-        "decoder_sparse_step": fixed(1, why="every layer is an MoE layer"),
-        "mlp_only_layers": mapped(_all_layers_sparse),
+        "decoder_sparse_step": mapped(_sparse_step),  # dense layers among MoE layers (MoeArgs.dense_layers)
+        "mlp_only_layers": mapped(_layer_list),
         "router_aux_loss_coef": harmless("a training-loss weight; ours is model.moe.aux_loss_coeff"),
         "output_router_logits": harmless("inference output switch"),
     }
@@ -51,21 +65,26 @@ class Qwen3MoeFamily(Qwen3Family):
             raise ValueError("Qwen3MoeForCausalLM config has no num_experts / num_local_experts")
         return MoeArgs(num_experts=int(n), topk=int(hf["num_experts_per_tok"]),
                        ffn_hidden_size=int(hf["moe_intermediate_size"]),
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)), dense_layers=dense_layers(hf))
 
     def mcore_names(self, a: ModelArgs) -> list[str]:
         dense = super().mcore_names(a)
         out: list[str] = []
         for name in dense:
-            if name.endswith("mlp.linear_fc1.weight"):
+            m = _LAYER_MLP.match(name)
+            if m is None or not a.moe.is_moe_layer(int(m.group(1))):
+                out.append(name)
+            elif m.group(2) == "linear_fc1":
                 p = name[: -len("linear_fc1.weight")]
                 out.append(p + "router.weight")
                 for e in range(a.moe.num_experts):
                     out += [f"{p}experts.local_experts.{e}.linear_fc1.weight",
                             f"{p}experts.local_experts.{e}.linear_fc2.weight"]
-            elif not name.endswith("mlp.linear_fc2.weight"):
-                out.append(name)
+                out += self.shared_expert_names(a, p)
         return out
+
+    def shared_expert_names(self, a: ModelArgs, prefix: str) -> list[str]:
+        return []
 
     def hf_sources(self, a: ModelArgs, name: str) -> list[str]:
         m = _EXPERT.match(name)

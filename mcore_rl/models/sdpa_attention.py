@@ -5,13 +5,15 @@ Why: Megatron's local attention is unfused: it materialises GQA-expanded K/V (`r
 [b, heads, s, s] score tensor with `baddbmm`, allocates a causal mask per layer and runs a separate softmax and
 `bmm`. On CPU (and on GPUs without Transformer Engine) PyTorch's SDPA does the same maths in one fused, blocked
 kernel with native GQA and an implicit causal mask: less memory traffic, no s x s buffer kept for backward.
-The projections, RoPE and TP sharding around it stay Megatron's; only the softmax(QK^T)V core changes.
+The projections, RoPE and TP sharding around it stay Megatron's; only the softmax(QK^T)V core changes. A
+causal sliding window (`window_size=(left, 0)`, Mistral) becomes an explicit boolean mask.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -34,8 +36,12 @@ class SdpaAttention(_base()):  # type: ignore[misc]
 
         if config.context_parallel_size != 1:
             raise ValueError("SdpaAttention: context parallelism needs Transformer Engine attention")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "window_size", None):
-            raise ValueError("SdpaAttention: only vanilla softmax over full causal attention is supported")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError("SdpaAttention: only vanilla softmax is supported")
+        window = getattr(config, "window_size", None)
+        if window is not None and (window[1] != 0 or window[0] < 0):
+            raise ValueError(f"SdpaAttention: window_size={window} (only (left >= 0, 0): causal sliding window)")
+        self.window_left = None if window is None else window[0]
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         tp = pg_collection.tp.size()
@@ -61,12 +67,23 @@ class SdpaAttention(_base()):  # type: ignore[misc]
         mask = None
         if attention_mask is not None:  # Megatron masks are True where attention is NOT allowed
             mask = ~attention_mask.bool()
+        if self.window_left is not None and query.shape[0] > 1:
+            mask = self._window_mask(sq, key.shape[0], query.device, mask)
+            causal = False
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=causal and sq > 1, scale=self.softmax_scale, enable_gqa=self.groups != self.heads,
         )
         # [b, n, s, d] -> [s, b, n*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _window_mask(self, sq: int, sk: int, device, mask: Tensor | None) -> Tensor:
+        """Allowed where key j is among the `window_left + 1` latest keys up to query i (queries are the last sq
+        of sk positions); combined with Megatron's own mask when there is one."""
+        i = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+        j = torch.arange(sk, device=device).unsqueeze(0)
+        allowed = (j <= i) & (i - j <= self.window_left)
+        return allowed if mask is None else mask & allowed
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         return {}  # no parameters (vanilla softmax), like DotProductAttention

@@ -6,11 +6,12 @@ import importlib.util
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from mcore_rl.config.model import Fp8Config  # noqa: F401  (the schema of model.fp8; re-exported)
 from mcore_rl.dtypes import SHORT, torch_dtype
+from mcore_rl.models.activations import ACTIVATIONS
 from mcore_rl.models.base import ModelArgs
+from mcore_rl.models.rope import softmax_scale
 
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -109,10 +110,13 @@ def transformer_config_kwargs(a: ModelArgs, build: BuildConfig) -> dict:
         normalization="RMSNorm",
         layernorm_epsilon=a.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        activation_func=ACTIVATIONS.get(a.activation).fn,
+        add_bias_linear=a.linear_bias,
         add_qkv_bias=a.qkv_bias,
         qk_layernorm=a.qk_norm,
+        softmax_scale=softmax_scale(a.rope, a.head_dim),  # YaRN's attention factor (models/rope.py)
+        # HF's window w: keys i - w < j <= i, i.e. w - 1 to the left (Megatron/TE's (left, right) convention)
+        window_size=(a.sliding_window - 1, 0) if a.sliding_window else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=build.init_std,
@@ -147,10 +151,13 @@ def transformer_config_kwargs(a: ModelArgs, build: BuildConfig) -> dict:
 TE_FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "apply_rope_fusion", "bias_dropout_fusion")
 
 
-def fusion_kwargs(impl: str, trainable: bool = True) -> dict:
-    """TransformerConfig fusion switches for the chosen layer implementation."""
+def fusion_kwargs(impl: str, trainable: bool = True, activation: str = "silu") -> dict:
+    """TransformerConfig fusion switches for the chosen layer implementation. The fused bias-activation kernel
+    stays off for activations it does not compute exactly (models/activations.py)."""
     on = impl == "transformer_engine"
-    return {**{k: on for k in TE_FUSIONS}, "gradient_accumulation_fusion": on and trainable}
+    kw = {**{k: on for k in TE_FUSIONS}, "gradient_accumulation_fusion": on and trainable}
+    kw["bias_activation_fusion"] = on and ACTIVATIONS.get(activation).fusable
+    return kw
 
 
 def ddp_config_kwargs(impl: str, use_distributed_optimizer: bool) -> dict:

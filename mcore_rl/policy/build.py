@@ -9,6 +9,7 @@ import torch
 from mcore_rl.config.optim import OptimSettings
 from mcore_rl.models.base import ModelArgs
 from mcore_rl.models.moe_spec import moe_config_kwargs, moe_layer_spec, validate_moe_parallel
+from mcore_rl.models.rope import set_rotary
 from mcore_rl.models.spec import (
     BuildConfig,
     ddp_config_kwargs,
@@ -31,7 +32,7 @@ def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
 def transformer_config_dict(args: ModelArgs, build: BuildConfig, impl: str, trainable: bool = True) -> dict:
     """Everything TransformerConfig gets, as a dict (testable on CPU for the TE spec without building TE)."""
     kwargs = transformer_config_kwargs(args, build)
-    kwargs.update(fusion_kwargs(impl, trainable))  # Megatron/TE fused kernels: TE spec only
+    kwargs.update(fusion_kwargs(impl, trainable, args.activation))  # Megatron/TE fused kernels: TE spec only
     kwargs.update(moe_config_kwargs(args, build.ep, build.moe_aux_loss_coeff))  # {} for dense models
     return kwargs
 
@@ -72,9 +73,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=args.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(args.rope_theta),
-        rope_scaling=args.rope_scaling_factor is not None,
-        rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
+    set_rotary(model, args.rope, args.head_dim)  # HF's RoPE variant (models/rope.py), before any forward
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
     from mcore_rl.compat import fused_ops
 

@@ -52,7 +52,8 @@ def is_expert(name: str) -> bool:
 
 def is_fc1(name: str) -> bool:
     """Dense or expert fc1: [gate; up], sliced per TP rank on each half."""
-    return name.endswith("mlp.linear_fc1.weight") or (is_expert(name) and name.endswith("linear_fc1.weight"))
+    return name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight")) or (
+        is_expert(name) and name.endswith("linear_fc1.weight"))
 
 
 def tp(name: str = ""):

@@ -15,10 +15,18 @@ pytestmark = pytest.mark.convert
 
 
 def _configs():
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     return {"LlamaForCausalLM": LlamaConfig(), "Qwen2ForCausalLM": Qwen2Config(), "Qwen3ForCausalLM": Qwen3Config(),
-            "Qwen3MoeForCausalLM": Qwen3MoeConfig()}
+            "Qwen3MoeForCausalLM": Qwen3MoeConfig(), "MistralForCausalLM": MistralConfig(),
+            "Qwen2MoeForCausalLM": Qwen2MoeConfig()}
 
 
 def _as_dict(arch: str, config) -> dict:
@@ -27,7 +35,8 @@ def _as_dict(arch: str, config) -> dict:
     return d
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                  "MistralForCausalLM", "Qwen2MoeForCausalLM"])
 def test_every_field_of_a_real_config_is_declared(arch):
     cfg = _as_dict(arch, _configs()[arch])
     family = family_for(cfg)
@@ -36,23 +45,32 @@ def test_every_field_of_a_real_config_is_declared(arch):
     undeclared = [k for k in cfg if k not in declared and not k.startswith("_") and not k.endswith("_token_id")]
     assert undeclared == []
     assert args.num_layers == cfg["num_hidden_layers"] and args.vocab_size == cfg["vocab_size"]
-    assert (args.moe is not None) == (arch == "Qwen3MoeForCausalLM")
-    if args.moe:
+    assert (args.moe is not None) == arch.endswith("MoeForCausalLM")
+    if arch == "Qwen3MoeForCausalLM":
         assert (args.moe.num_experts, args.moe.topk) == (128, 8)
+    if arch == "Qwen2MoeForCausalLM":
+        assert (args.moe.num_experts, args.moe.topk, args.moe.shared_expert_size) == (60, 4, 5632)
+        assert args.moe.shared_expert_gate and args.qkv_bias
 
 
 REFUSED = [  # (architecture, field, value, words in the one-line message)
     ("LlamaForCausalLM", "attention_bias", True, "o_proj"),
-    ("LlamaForCausalLM", "mlp_bias", True, "only False"),
-    ("LlamaForCausalLM", "hidden_act", "gelu", "only 'silu'"),
-    ("LlamaForCausalLM", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "yarn"),
+    ("LlamaForCausalLM", "mlp_bias", True, "must be equal"),
+    ("LlamaForCausalLM", "hidden_act", "gelu_fast", "gelu_pytorch_tanh"),
+    ("Qwen2ForCausalLM", "attention_bias", True, "only False"),
+    ("LlamaForCausalLM", "rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}, "dynamic"),
+    ("LlamaForCausalLM", "rope_parameters", {"rope_type": "longrope", "short_factor": [1.0], "rope_theta": 1e4},
+     "longrope"),
     ("LlamaForCausalLM", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
-                                             "rope_theta": 5e5}, "low_freq_factor"),
+                                             "rope_theta": 5e5}, "high_freq_factor"),
+    ("LlamaForCausalLM", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5,
+                                             "rope_theta": 1e4}, "partial_rotary_factor"),
+    ("MistralForCausalLM", "sliding_window", 0, "positive"),
     ("Qwen2ForCausalLM", "use_sliding_window", True, "use_sliding_window=True"),
     ("Qwen3ForCausalLM", "layer_types", ["sliding_attention"] * 4, "full_attention only"),
     ("Qwen3ForCausalLM", "attn_logit_softcapping", 30.0, "unknown"),
-    ("Qwen3MoeForCausalLM", "decoder_sparse_step", 2, "decoder_sparse_step=2"),
-    ("Qwen3MoeForCausalLM", "mlp_only_layers", [0, 2], "dense layers"),
+    ("Qwen3MoeForCausalLM", "decoder_sparse_step", 0, "positive integer"),
+    ("Qwen3MoeForCausalLM", "mlp_only_layers", [0, 99], "[99] are not layers"),
     ("Qwen3MoeForCausalLM", "quantization_config", {"quant_method": "fp8"}, "unknown"),
 ]
 
@@ -75,7 +93,7 @@ def test_harmless_fields_pass():
 
 @pytest.mark.parametrize("make,field,value", [
     (qwen3_config, "attn_logit_softcapping", 50.0),
-    (qwen3_moe_config, "decoder_sparse_step", 2),
+    (qwen3_moe_config, "decoder_sparse_step", 0),
 ])
 def test_conversion_refuses_with_one_line(tmp_path, capsys, make, field, value):
     hf = save_random_model(tmp_path / "hf", make())

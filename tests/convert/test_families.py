@@ -1,0 +1,137 @@
+"""The families people post-train, at tiny size, from transformers' own config classes: Llama 3.x RoPE (llama3
+frequency bands), linear and YaRN RoPE scaling (incl. YaRN's attention factor), Mistral with and without a sliding
+window, Llama with biases and GELU. Each converts HF -> Megatron, gives transformers' logits (max |diff| <= 1e-5, fp32) on a short prompt and
+on a 1100-token one (positions far beyond `original_max_position_embeddings`=256 and beyond the window), and comes
+back bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.convert.cli import main
+from tests.convert.conftest import assert_same_hf_tensors, max_logit_diff, run_cli, save_random_model
+
+pytestmark = pytest.mark.convert
+slow = pytest.mark.slow
+TOL = 1e-5
+LONG = 1100  # > 4 x original context (256) and > 17 x Mistral's tiny window (64)
+_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=512, rms_norm_eps=1e-5)
+
+
+def llama3_config():
+    """Llama 3.2-1B shape at tiny size: tied embeddings, GQA, llama3 RoPE bands over a 256-token original context
+    (head_dim 16: wavelengths 6..2e4 tokens fall in all three bands)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_SHAPE, tie_word_embeddings=True, max_position_embeddings=2048, rope_parameters=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=256, rope_theta=10000.0))
+
+
+def linear_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_SHAPE, max_position_embeddings=2048,
+                       rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0))
+
+
+def qwen3_yarn_config():
+    """Qwen3 long-context shape: q/k norm, head_dim != hidden/heads, YaRN x4 (attention factor 1 + 0.1 ln 4)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_SHAPE, head_dim=32, tie_word_embeddings=True, max_position_embeddings=1024,
+                       rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256,
+                                            rope_theta=10000.0))
+
+
+def qwen2_yarn_mscale_config():
+    """Qwen2.5 (QKV bias) with DeepSeek-style YaRN: mscale / mscale_all_dim, beta_fast 16, untruncated ramp."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_SHAPE, max_position_embeddings=1024, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=256, mscale=0.707, mscale_all_dim=1.0,
+        beta_fast=16, truncate=False, rope_theta=10000.0))
+
+
+def mistral_config(sliding_window: int | None = None):
+    """Mistral-7B shape at tiny size: GQA, head_dim 16, untied head; v0.1 has a 4096-token window (here 64)."""
+    from transformers import MistralConfig
+
+    return MistralConfig(**_SHAPE, head_dim=16, max_position_embeddings=2048, sliding_window=sliding_window,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+
+
+def llama_bias_gelu_config():
+    """Llama-architecture custom model: q/k/v/o and gate/up/down biases, tanh-approximated GELU."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_SHAPE, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh",
+                       max_position_embeddings=2048, rope_parameters=dict(rope_type="default", rope_theta=1e4))
+
+
+CONFIGS = {"llama3": llama3_config, "linear": linear_config, "qwen3-yarn": qwen3_yarn_config,
+           "qwen2-yarn-mscale": qwen2_yarn_mscale_config, "mistral": mistral_config,
+           "mistral-window": lambda: mistral_config(64), "llama-bias-gelu": llama_bias_gelu_config}
+NAMES = list(CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """name -> (hf folder, checkpoint written at TP=1), built on first use."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            root = tmp_path_factory.mktemp(name)
+            hf = save_random_model(root / "hf", CONFIGS[name](), seed=7)
+            run_cli("hf-to-mcore", "--hf", hf, "--out", root / "ckpt")
+            cache[name] = (hf, root / "ckpt")
+        return cache[name]
+
+    return get
+
+
+def _verify(hf, ckpt, tokens: int, tp: int = 1, pp: int = 1) -> float:
+    proc = run_cli("verify", "--hf", hf, "--ckpt", ckpt, "--tokens", tokens, "--tp", tp, "--pp", pp,
+                   "--tol", TOL)
+    assert proc.stdout.rstrip().endswith("OK") and f"tokens={tokens}" in proc.stdout
+    return max_logit_diff(proc)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tokens", [48, LONG])
+def test_logits_match_transformers_tp1(converted, name, tokens):
+    hf, ckpt = converted(name)
+    assert _verify(hf, ckpt, tokens) <= TOL
+
+
+@slow
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_logits_match_transformers_tp2_pp2(converted, name, layout):
+    hf, ckpt = converted(name)
+    assert _verify(hf, ckpt, LONG, *layout) <= TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_round_trip_bit_exact(converted, name, tmp_path):
+    hf, ckpt = converted(name)
+    assert main(["--quiet", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "back")]) == 0
+    assert assert_same_hf_tensors(hf, tmp_path / "back") >= 2 * 9
+
+
+def test_rope_scaling_changes_the_long_logits(converted, tmp_path):
+    """The llama3 bands matter: the same weights under plain RoPE differ from transformers' llama3 logits on the
+    long prompt, so the exactness above is not an accident of tiny frequencies."""
+    import json
+    import shutil
+
+    hf, ckpt = converted("llama3")
+    plain = tmp_path / "plain"
+    shutil.copytree(hf, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli("verify", "--hf", plain, "--ckpt", ckpt, "--tokens", LONG, "--tol", TOL, rc=1)
+    assert max_logit_diff(proc) > 1e-2

@@ -1,0 +1,109 @@
+"""MoE layouts beyond "every layer routes": Qwen3-MoE with dense layers (`mlp_only_layers`, `decoder_sparse_step`)
+and Qwen2-MoE (shared expert with a sigmoid gate, QKV bias), tiny, from transformers' own config classes: converted,
+logits equal transformers' (fp32; Qwen2-MoE <= 1e-5, Qwen3-MoE see TOL) on a short and a 1100-token prompt, at EP=2 and PP=2 too (slow), and
+back to HF bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.convert.cli import main
+from mcore_rl.models.base import family_for
+from tests.convert.conftest import (
+    assert_same_hf_tensors,
+    max_logit_diff,
+    qwen3_moe_config,
+    run_cli,
+    save_random_model,
+)
+
+pytestmark = pytest.mark.convert
+slow = pytest.mark.slow
+TOL = {"qwen3-moe-dense": 1e-3, "qwen3-moe-step2": 1e-3, "qwen2-moe": 1e-5}
+
+
+# Qwen2-MoE (shared expert, dense layers) matches transformers to < 1e-6 on 1100 tokens. Qwen3-MoE does not, with or
+# without dense layers and either norm_topk_prob: the all-MoE model of tests/convert/test_moe.py differs by 4e-5 on 48
+# tokens and 1.8e-4 on 1100 (its test checks 1e-4 on 48), the dense-layer variants here by 6e-5 / 3.3e-4; argmax
+# agreement stays 1.0. The cause is not in the dense-layer mapping (Qwen2-MoE shares it) and is still open, so the
+# Qwen3-MoE layouts are held to 1e-3 here: a mapping slip (wrong dense/MoE layer, swapped tensors) costs > 1e-2.
+def qwen3_moe_dense_config():
+    """4 layers, layer 1 dense by mlp_only_layers."""
+    return qwen3_moe_config(mlp_only_layers=[1], norm_topk_prob=False)
+
+
+def qwen3_moe_sparse_step_config():
+    """decoder_sparse_step=2: layers 1 and 3 route, 0 and 2 are dense (and mlp_only_layers=[3] makes 3 dense too)."""
+    return qwen3_moe_config(decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False)
+
+
+def qwen2_moe_config():
+    """Qwen1.5-MoE shape at tiny size: 8 experts top-2 without renormalisation, a gated shared expert (48 wide),
+    QKV bias, decoder_sparse_step=2 (dense layers 0 and 2)."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                          decoder_sparse_step=2, vocab_size=512, tie_word_embeddings=False,
+                          max_position_embeddings=2048, rms_norm_eps=1e-6)
+
+
+CONFIGS = {"qwen3-moe-dense": qwen3_moe_dense_config, "qwen3-moe-step2": qwen3_moe_sparse_step_config,
+           "qwen2-moe": qwen2_moe_config}
+
+
+def test_dense_layers_follow_hf_rule():
+    for make, dense in ((qwen3_moe_dense_config, (1,)), (qwen3_moe_sparse_step_config, (0, 2, 3)),
+                        (qwen2_moe_config, (0, 2))):
+        hf = {**make().to_dict(), "architectures": [type(make()).__name__.replace("Config", "ForCausalLM")]}
+        a = family_for(hf).args(hf)
+        assert a.moe.dense_layers == dense
+        names = family_for(hf).mcore_names(a)
+        for i in range(4):
+            assert (f"decoder.layers.{i}.mlp.linear_fc1.weight" in names) == (i in dense)
+            assert (f"decoder.layers.{i}.mlp.router.weight" in names) == (i not in dense)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            root = tmp_path_factory.mktemp(name)
+            hf = save_random_model(root / "hf", CONFIGS[name](), seed=11)
+            run_cli("hf-to-mcore", "--hf", hf, "--out", root / "ckpt")
+            cache[name] = (hf, root / "ckpt")
+        return cache[name]
+
+    return get
+
+
+def _verify(hf, ckpt, tokens: int, tol: float, tp: int = 1, pp: int = 1, ep: int = 1) -> float:
+    proc = run_cli("verify", "--hf", hf, "--ckpt", ckpt, "--tokens", tokens, "--tp", tp, "--pp", pp, "--ep", ep,
+                   "--tol", tol)
+    assert proc.stdout.rstrip().split(" ep=")[0].endswith("OK"), proc.stdout
+    return max_logit_diff(proc)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("tokens", [48, 1100])
+def test_logits_match_transformers(converted, name, tokens):
+    hf, ckpt = converted(name)
+    assert _verify(hf, ckpt, tokens, TOL[name]) <= TOL[name]
+
+
+@slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "ep2"])
+def test_logits_match_transformers_parallel(converted, name, layout):
+    hf, ckpt = converted(name)
+    assert _verify(hf, ckpt, 1100, TOL[name], *layout) <= TOL[name]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_round_trip_bit_exact(converted, name, tmp_path):
+    hf, ckpt = converted(name)
+    assert main(["--quiet", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "back")]) == 0
+    assert assert_same_hf_tensors(hf, tmp_path / "back") > 4 * 9
