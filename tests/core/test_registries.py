@@ -65,7 +65,8 @@ def test_names_without_import_and_lazy_get():
     assert out["REWARDS"]["names"] == ["format", "math_verify"]
     assert out["DATASETS"]["names"] == ["arithmetic", "champ", "hf", "reasoning_gym"]
     assert out["FAMILIES"]["names"] == [
-        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]  # fmt: skip
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM"]  # fmt: skip
     kinds = {attr: out[attr]["kind"] for attr in out}
     assert kinds == {"ALGORITHMS": "algorithm.name", "SOURCES": "algorithm.old_logp_source",
                      "ENGINES": "rollout.engine", "TRANSPORTS": "rollout.sync_mode", "REWARDS": "reward.name",
