@@ -104,5 +104,8 @@ class ModelConfig:
         one_of("model.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
         if self.source == "hf" and not self.hf_path:
             raise ConfigError("model.source=hf needs model.hf_path=/path/to/hf/folder")
+        if self.lora.enabled and self.mcore_ckpt:
+            raise ConfigError("model.lora.rank>0 with model.mcore_ckpt is not supported: start LoRA from the HF "
+                              "folder (model.source=hf, model.hf_path)")
         if self.source == "tiny" and not self.tiny:
             raise ConfigError("model.source=tiny needs model.tiny (the random model's HF config fields)")

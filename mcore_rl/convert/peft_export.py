@@ -30,12 +30,15 @@ def _linears(adapters: dict[str, torch.Tensor]) -> list[str]:
     for lin in names:
         for s in SUFFIXES:
             if lin + s not in adapters:
-                raise ConvertError(f"adapter {lin}{s} is missing (the folder has only one half of that adapter)")
+                raise ConvertError(
+                    f"adapter {lin}{s} is missing (the folder has only one half of that adapter)"
+                )
     return names
 
 
-def hf_module_adapters(adapters: dict[str, torch.Tensor], family: ModelFamily,
-                       args: ModelArgs) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def hf_module_adapters(
+    adapters: dict[str, torch.Tensor], family: ModelFamily, args: ModelArgs
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(HF module name, A [r, in], B [out_module, r]) per HF linear, the fused ones split (see module doc)."""
     for lin in _linears(adapters):
         a, b = adapters[lin + ".lora_A"], adapters[lin + ".lora_B"]
@@ -59,8 +62,9 @@ def _model(base: str | Path) -> tuple[ModelFamily, ModelArgs]:
     return family, family.args(hf)
 
 
-def export_peft(adapter_dir: str | Path, out: str | Path, base: str | Path | None = None,
-                force: bool = False) -> Path:
+def export_peft(
+    adapter_dir: str | Path, out: str | Path, base: str | Path | None = None, force: bool = False
+) -> Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT's LoRA format) into `out`."""
     from safetensors.torch import save_file
 
@@ -73,10 +77,20 @@ def export_peft(adapter_dir: str | Path, out: str | Path, base: str | Path | Non
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.contiguous().clone()
         modules.add(module.rsplit(".", 1)[-1])
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
-        "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": sorted(modules),
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
     }
     with staged_output(out, force) as stage:
         stage.mkdir(parents=True)
@@ -85,8 +99,9 @@ def export_peft(adapter_dir: str | Path, out: str | Path, base: str | Path | Non
     return Path(out)
 
 
-def merged_tensors(adapters: dict[str, torch.Tensor], scale: float, family: ModelFamily, args: ModelArgs,
-                   reader: HFReader) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(
+    adapters: dict[str, torch.Tensor], scale: float, family: ModelFamily, args: ModelArgs, reader: HFReader
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every base tensor, with W + scale * B @ A on the adapted modules (in fp32, cast back to W's dtype)."""
     deltas = {f"{m}.weight": (a, b) for m, a, b in hf_module_adapters(adapters, family, args)}
     for name in reader.names():
@@ -99,15 +114,21 @@ def merged_tensors(adapters: dict[str, torch.Tensor], scale: float, family: Mode
         raise ConvertError(f"the base model has no tensor {next(iter(deltas))} for its adapter; wrong base?")
 
 
-def export_merged(adapter_dir: str | Path, out: str | Path, base: str | Path | None = None,
-                  force: bool = False, max_shard_bytes: int = 2 << 30) -> Path:
+def export_merged(
+    adapter_dir: str | Path,
+    out: str | Path,
+    base: str | Path | None = None,
+    force: bool = False,
+    max_shard_bytes: int = 2 << 30,
+) -> Path:
     """An HF folder of the adapted model (base side files copied), loadable without peft."""
     adapters, cfg, meta = _read(adapter_dir)
     base = base or meta["base_model"]
     family, args = _model(base)
     with HFReader(base) as reader, staged_output(out, force) as stage:
         stage.mkdir(parents=True)
-        write_hf_shards(merged_tensors(adapters, cfg.alpha / cfg.rank, family, args, reader), stage,
-                        max_shard_bytes)
+        write_hf_shards(
+            merged_tensors(adapters, cfg.alpha / cfg.rank, family, args, reader), stage, max_shard_bytes
+        )
         copy_side_files(base, stage)
     return Path(out)

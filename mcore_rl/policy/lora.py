@@ -50,8 +50,10 @@ def _target_linears(gpt, targets: list[str]) -> Iterator[tuple[str, torch.nn.Mod
         leaf = name.rsplit(".", 1)[-1]
         if leaf in targets and hasattr(module, "weight"):
             if ".experts." in name:
-                raise ValueError(f"model.lora.target_modules: {leaf} of MoE experts ({name}) is not supported; "
-                                 "target linear_qkv/linear_proj only on MoE models")
+                raise ValueError(
+                    f"model.lora.target_modules: {leaf} of MoE experts ({name}) is not supported; "
+                    "target linear_qkv/linear_proj only on MoE models"
+                )
             yield name, module
 
 
@@ -78,8 +80,10 @@ def attach_adapters(gpt, cfg: LoraConfig, seed: int = 0) -> int:
     n = 0
     for name, linear in list(_target_linears(gpt, cfg.target_modules)):
         if type(linear).__name__.startswith("TELayerNorm"):
-            raise ValueError("model.lora needs model.transformer_impl=local: Transformer Engine fuses the layer "
-                             f"norm into {name}, so the adapter would see the un-normalised input")
+            raise ValueError(
+                "model.lora needs model.transformer_impl=local: Transformer Engine fuses the layer "
+                f"norm into {name}, so the adapter would see the un-normalised input"
+            )
         kind = "column" if name.rsplit(".", 1)[-1] in COLUMN else "row"
         w = linear.weight
         out_l, in_l = w.shape
@@ -115,7 +119,11 @@ def _lora_hook(module, args, kwargs, output):
     if st.dropout and module.training:
         x = F.dropout(x, st.dropout, training=True)
     h = torch.matmul(x, module.lora_A.t())
-    h = copy_to_tensor_model_parallel_region(h) if st.kind == "column" else reduce_from_tensor_model_parallel_region(h)
+    h = (
+        copy_to_tensor_model_parallel_region(h)
+        if st.kind == "column"
+        else reduce_from_tensor_model_parallel_region(h)
+    )
     delta = torch.matmul(h, module.lora_B.t()) * st.scale
     out, bias = output
     return out + delta.to(out.dtype), bias
@@ -129,15 +137,24 @@ def _sharded_state_dict_fn(linear, swiglu: bool):
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        axes = {"weight": 0, "bias": 0, "lora_B": 0} if linear._lora.kind == "column" else {"weight": 1,
-                                                                                            "lora_A": 1}
-        sd = make_sharded_tensors_for_checkpoint(linear.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                 sharded_offsets, tp_group=linear.tp_group,
-                                                 dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        axes = (
+            {"weight": 0, "bias": 0, "lora_B": 0}
+            if linear._lora.kind == "column"
+            else {"weight": 1, "lora_A": 1}
+        )
+        sd = make_sharded_tensors_for_checkpoint(
+            linear.state_dict(prefix="", keep_vars=True),
+            prefix,
+            axes,
+            sharded_offsets,
+            tp_group=linear.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
         if swiglu:
             key = f"{prefix}lora_B"
-            sd[key] = apply_swiglu_sharded_factory(sd[key], sharded_offsets,
-                                                   (metadata or {}).get("singleton_local_shards", False))
+            sd[key] = apply_swiglu_sharded_factory(
+                sd[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False)
+            )
         return sd
 
     return sharded_state_dict
@@ -189,6 +206,27 @@ class BasePolicyView:
     def logprobs(self, batch, temperature: float = 1.0):
         with adapters_disabled(self.policy.model):
             return self.policy.logprobs(batch, temperature)
+
+
+def adapter_entries(sharded: dict) -> dict:
+    """The adapter entries of a model's sharded state dict (a LoRA checkpoint holds nothing else)."""
+    return {k: v for k, v in sharded.items() if is_adapter_param(k)}
+
+
+def load_adapter_entries(model, state: dict) -> None:
+    """Loaded adapter tensors into the model; every adapter must be there and nothing else."""
+    from mcore_rl.policy.build import unwrap
+
+    params = {n: p for n, p in unwrap(model).named_parameters() if is_adapter_param(n)}
+    if set(state) != set(params):
+        missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise ValueError(
+            f"LoRA checkpoint does not match the model's adapters: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}"
+        )
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(state[n])
 
 
 def trainable_parameters(model) -> tuple[int, int]:

@@ -71,7 +71,9 @@ def gather_adapters(model) -> dict[str, torch.Tensor] | None:
     for name, which, linear, p in _local_adapters(model):
         t = p.data.float().cpu()
         if tp_size > 1 and _is_split(linear, which):
-            parts = [x.cpu() for x in D.all_gather(p.data.float(), group=ps.get_tensor_model_parallel_group())]
+            parts = [
+                x.cpu() for x in D.all_gather(p.data.float(), group=ps.get_tensor_model_parallel_group())
+            ]
             t = _cat_parts(name, linear, which, parts)
         mine[name] = t
     rank, out = D.global_rank(), {}
@@ -98,8 +100,10 @@ def load_adapters(model, get_full: Callable[[str], torch.Tensor]) -> int:
     for name, which, linear, p in _local_adapters(model):
         shard = _slice(name, linear, which, get_full(name), rank, size)
         if tuple(shard.shape) != tuple(p.shape):
-            raise ValueError(f"LoRA adapter {name}: file gives {tuple(shard.shape)} for this rank, model expects "
-                             f"{tuple(p.shape)} (tp={size}); were the adapters made with this model.lora.rank?")
+            raise ValueError(
+                f"LoRA adapter {name}: file gives {tuple(shard.shape)} for this rank, model expects "
+                f"{tuple(p.shape)} (tp={size}); were the adapters made with this model.lora.rank?"
+            )
         p.data.copy_(shard.to(p.dtype))
         n += 1
     return n
@@ -118,15 +122,49 @@ def base_model_hash(folder: str | Path) -> str:
     return h.hexdigest()
 
 
-def save_adapter_folder(tensors: dict[str, torch.Tensor], out: str | Path, cfg: LoraConfig,
-                        base: str | Path) -> Path:
+def base_reference(policy) -> dict | None:
+    """{base_model, base_sha256} of a LoRA policy's base on global rank 0 (hashed once), None elsewhere or
+    without adapters: what a LoRA checkpoint records instead of the base weights."""
+    from mcore_rl.policy.lora import has_adapters
+
+    if D.global_rank() != 0 or policy.base_path is None or not has_adapters(policy.model):
+        return None
+    if getattr(policy, "_base_ref", None) is None:
+        policy._base_ref = {
+            "base_model": str(policy.base_path.resolve()),
+            "base_sha256": base_model_hash(policy.base_path),
+        }
+    return policy._base_ref
+
+
+def check_base(policy, recorded: dict | None) -> None:
+    """Refuse (on every rank) to resume LoRA adapters onto a base other than the one they were trained on."""
+    mine = base_reference(policy)
+    err = None
+    if recorded and mine and recorded["base_sha256"] != mine["base_sha256"]:
+        err = (
+            f"LoRA checkpoint was trained on {recorded['base_model']} (sha256 {recorded['base_sha256'][:12]}), "
+            f"this run's base {mine['base_model']} hashes to {mine['base_sha256'][:12]}; refusing to resume"
+        )
+    err = D.broadcast_object(err, 0)
+    if err:
+        raise ValueError(err)
+
+
+def save_adapter_folder(
+    tensors: dict[str, torch.Tensor], out: str | Path, cfg: LoraConfig, base: str | Path
+) -> Path:
     """`adapters.safetensors` (canonical names) + `lora.json` (rank, alpha, targets, base path + hash)."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / ADAPTERS_FILE)
-    meta = {"lora": asdict(cfg), "base_model": str(Path(base).resolve()), "base_sha256": base_model_hash(base)}
+    meta = {
+        "lora": asdict(cfg),
+        "base_model": str(Path(base).resolve()),
+        "base_sha256": base_model_hash(base),
+    }
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
     return out
 
@@ -137,6 +175,8 @@ def read_adapter_folder(folder: str | Path) -> tuple[dict[str, torch.Tensor], Lo
 
     folder = Path(folder)
     if not (folder / META_FILE).is_file() or not (folder / ADAPTERS_FILE).is_file():
-        raise FileNotFoundError(f"{folder} is not a LoRA adapter folder (needs {META_FILE} and {ADAPTERS_FILE})")
+        raise FileNotFoundError(
+            f"{folder} is not a LoRA adapter folder (needs {META_FILE} and {ADAPTERS_FILE})"
+        )
     meta = json.loads((folder / META_FILE).read_text())
     return load_file(folder / ADAPTERS_FILE), LoraConfig(**meta["lora"]), meta

@@ -41,6 +41,7 @@ class Policy:
             lora=cfg.lora, seed=cfg.seed,
         )
         self.optimizer = self.scheduler = None
+        self.base_path: Path | None = None
         self.router_load = None
         if self.args.moe is not None:
             from mcore_rl.policy.moe_metrics import RouterLoad
@@ -56,6 +57,7 @@ class Policy:
         return unwrap(self.model)
 
     def load_hf(self, folder: str | Path) -> int:
+        self.base_path = Path(folder)  # a LoRA checkpoint names its base by this path (+ hash)
         with HFReader(folder) as reader:
             n = load_hf_into_model(self.model, self.family, self.args, reader)
         self._sync_main_params()

@@ -24,8 +24,12 @@ RANK, ALPHA = 4, 8.0
 def full_shape(a, name: str) -> tuple[int, int]:
     """Full (unsharded) shape of a canonical adapter tensor."""
     h, f = a.hidden_size, a.ffn_hidden_size
-    out_in = {"linear_qkv": (h + 2 * a.num_query_groups * a.head_dim, h), "linear_proj": (h, h),
-              "linear_fc1": (2 * f, h), "linear_fc2": (h, f)}
+    out_in = {
+        "linear_qkv": (h + 2 * a.num_query_groups * a.head_dim, h),
+        "linear_proj": (h, h),
+        "linear_fc1": (2 * f, h),
+        "linear_fc2": (h, f),
+    }
     module, which = name.rsplit(".", 2)[-2], name[-1]
     out, inp = out_in[module]
     return (RANK, inp) if which == "A" else (out, RANK)
@@ -52,8 +56,15 @@ def main() -> None:
     a = ap.parse_args()
     init_distributed(a.tp, a.pp)
     optim = OptimSettings(lr=1e-3, weight_decay=0.0, adam_beta2=0.999, clip_grad=0.0)
-    policy = Policy(a.hf, PolicyConfig(build=BuildConfig(tp=a.tp, pp=a.pp), optim=optim, token_budget=48,
-                                       lora=LoraConfig(rank=RANK, alpha=ALPHA)))
+    policy = Policy(
+        a.hf,
+        PolicyConfig(
+            build=BuildConfig(tp=a.tp, pp=a.pp),
+            optim=optim,
+            token_budget=48,
+            lora=LoraConfig(rank=RANK, alpha=ALPHA),
+        ),
+    )
     policy.load_hf(a.hf)
     load_adapters(policy.model, fixed_adapters(policy.args))
     policy._sync_main_params()
@@ -97,8 +108,13 @@ def _sync(policy, hf: str, batch, policy_logp, a) -> dict:
     stats = sync_weights(policy, engine, version=3, mode="tensor", options=SyncOptions(config_dir=hf))
     out = {}
     if engine is not None:
-        out = {"engine_before": pre, "engine_after": engine_logp(), "sync_gb": stats["sync_gb"],
-               "sync_peak_extra_mb": stats["sync_peak_extra_mb"], "sync_bound_mb": stats["sync_bound_mb"]}
+        out = {
+            "engine_before": pre,
+            "engine_after": engine_logp(),
+            "sync_gb": stats["sync_gb"],
+            "sync_peak_extra_mb": stats["sync_peak_extra_mb"],
+            "sync_bound_mb": stats["sync_bound_mb"],
+        }
         engine.close()
     return out
 

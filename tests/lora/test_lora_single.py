@@ -95,7 +95,9 @@ def _nonzero_adapters(policy, seed: int = 11) -> dict[str, torch.Tensor]:
     from mcore_rl.policy.lora_state import gather_adapters, load_adapters
 
     g = torch.Generator().manual_seed(seed)
-    full = {n: torch.randn(t.shape, generator=g) * 0.3 for n, t in sorted(gather_adapters(policy.model).items())}
+    full = {
+        n: torch.randn(t.shape, generator=g) * 0.3 for n, t in sorted(gather_adapters(policy.model).items())
+    }
     assert load_adapters(policy.model, full.__getitem__) == len(full)
     policy._sync_main_params()
     return full
@@ -114,19 +116,45 @@ def test_peft_and_merged_exports_reproduce_megatron_logits(lora, tiny_llama_dir,
 
     full = _nonzero_adapters(lora)
     save_adapter_folder(full, tmp_path / "adapters", lora.cfg.lora, tiny_llama_dir)
-    assert main(["--quiet", "lora-to-peft", "--adapters", str(tmp_path / "adapters"), "--out",
-                 str(tmp_path / "peft")]) == 0
-    assert main(["--quiet", "lora-merge", "--adapters", str(tmp_path / "adapters"), "--out",
-                 str(tmp_path / "merged")]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "lora-to-peft",
+                "--adapters",
+                str(tmp_path / "adapters"),
+                "--out",
+                str(tmp_path / "peft"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "--quiet",
+                "lora-merge",
+                "--adapters",
+                str(tmp_path / "adapters"),
+                "--out",
+                str(tmp_path / "merged"),
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert cfg["r"] == RANK and cfg["lora_alpha"] == 8.0
-    assert cfg["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                            "down_proj"])
+    assert cfg["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     peft_sd = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     key = "base_model.model.model.layers.1.self_attn.{}_proj.lora_{}.weight"
     assert torch.equal(peft_sd[key.format("q", "A")], peft_sd[key.format("v", "A")])  # qkv's A, shared
     h, kv = lora.args.hidden_size, lora.args.num_query_groups * lora.args.head_dim
-    assert peft_sd[key.format("q", "B")].shape == (h, RANK) and peft_sd[key.format("k", "B")].shape == (kv, RANK)
+    assert peft_sd[key.format("q", "B")].shape == (h, RANK) and peft_sd[key.format("k", "B")].shape == (
+        kv,
+        RANK,
+    )
 
     tokens = torch.randint(0, lora.args.vocab_size, (3, 20), generator=torch.Generator().manual_seed(2))
     want = forward_logits(lora.model, tokens, lora.args.vocab_size)
@@ -151,6 +179,8 @@ def test_adapter_folder_names_its_base_and_refuses_bad_input(lora, tiny_llama_di
     tensors, cfg, meta = read_adapter_folder(tmp_path / "a")
     assert cfg == lora.cfg.lora and all(torch.equal(tensors[n], t) for n, t in full.items())
     assert meta["base_sha256"] == base_model_hash(tiny_llama_dir) and len(meta["base_sha256"]) == 64
-    assert json.loads((tmp_path / "a" / "lora.json").read_text())["base_model"] == str(tiny_llama_dir.resolve())
+    assert json.loads((tmp_path / "a" / "lora.json").read_text())["base_model"] == str(
+        tiny_llama_dir.resolve()
+    )
     assert main(["--quiet", "lora-to-peft", "--adapters", str(tmp_path), "--out", str(tmp_path / "p")]) == 2
     assert not (tmp_path / "p").exists()
