@@ -53,9 +53,11 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--sync", action="store_true")
+    ap.add_argument("--distributed-optimizer", action="store_true")
     a = ap.parse_args()
     init_distributed(a.tp, a.pp)
-    optim = OptimSettings(lr=1e-3, weight_decay=0.0, adam_beta2=0.999, clip_grad=0.0)
+    optim = OptimSettings(lr=1e-3, weight_decay=0.0, adam_beta2=0.999, clip_grad=0.0,
+                          use_distributed_optimizer=a.distributed_optimizer)  # fmt: skip
     policy = Policy(
         a.hf,
         PolicyConfig(
@@ -70,7 +72,13 @@ def main() -> None:
     policy._sync_main_params()
     batch, mask = fixed_batch(policy.args.vocab_size)
     before = policy.logprobs(batch)
-    _, stats = train_step(policy, batch, loss_fn)
+    from megatron.core import parallel_state as ps
+
+    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = [
+        i for i in range(len(batch)) if i % dp == dpr
+    ]  # each DP rank its rows; the summed loss is the same
+    _, stats = train_step(policy, batch.select(rows), loss_fn)
     after = policy.logprobs(batch)
     adapters = gather_adapters(policy.model)
     res = {}

@@ -80,14 +80,21 @@ def _peft_export_equals_merged_export(run_dir, tmp_path) -> None:
     from mcore_rl.convert.cli import main
     from mcore_rl.policy.lora_state import read_adapter_folder
 
-    assert main(["--quiet", "lora-to-peft", "--adapters", str(run_dir / "lora"), "--out", str(tmp_path / "p")]) == 0
+    assert (
+        main(["--quiet", "lora-to-peft", "--adapters", str(run_dir / "lora"), "--out", str(tmp_path / "p")])
+        == 0
+    )
     base = read_adapter_folder(run_dir / "lora")[2]["base_model"]
     tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
         before = plain(tokens).logits
         peft_logits = PeftModel.from_pretrained(plain, tmp_path / "p").eval()(tokens).logits
-        merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf", torch_dtype=torch.float32).eval()(tokens).logits
+        merged = (
+            AutoModelForCausalLM.from_pretrained(run_dir / "hf", torch_dtype=torch.float32)
+            .eval()(tokens)
+            .logits
+        )
     assert (merged - before).abs().max().item() > 1e-4  # training moved the adapters
     assert (peft_logits - merged).abs().max().item() < 1e-4
 

@@ -37,9 +37,15 @@ def test_tp1_sync_reproduces_the_adapted_policy(reference):
     assert reference["sync_peak_extra_mb"] <= reference["sync_bound_mb"]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_layout_matches_tp1(tp, pp, reference, tiny_llama_dir, tmp_path):
-    got = _run(2, tiny_llama_dir, tmp_path / f"tp{tp}pp{pp}.pt", "--tp", str(tp), "--pp", str(pp), "--sync")
+@pytest.mark.parametrize(
+    "tp,pp,extra",
+    [(2, 1, []), (1, 2, []), (1, 1, ["--distributed-optimizer"])],
+    ids=["tp2", "pp2", "dp2_distopt"],
+)
+def test_layout_matches_tp1(tp, pp, extra, reference, tiny_llama_dir, tmp_path):
+    got = _run(
+        2, tiny_llama_dir, tmp_path / f"tp{tp}pp{pp}.pt", "--tp", str(tp), "--pp", str(pp), "--sync", *extra
+    )
     ref = reference
     assert (ref["after"] - ref["before"]).abs().max().item() > 1e-3  # the step moved the adapters
     assert (got["before"] - ref["before"]).abs().max().item() < 1e-5
