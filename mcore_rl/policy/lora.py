@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.config.checks import ConfigError
 from mcore_rl.config.model import LoraConfig
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
@@ -50,7 +51,7 @@ def _target_linears(gpt, targets: list[str]) -> Iterator[tuple[str, torch.nn.Mod
         leaf = name.rsplit(".", 1)[-1]
         if leaf in targets and hasattr(module, "weight"):
             if ".experts." in name:
-                raise ValueError(
+                raise ConfigError(
                     f"model.lora.target_modules: {leaf} of MoE experts ({name}) is not supported; "
                     "target linear_qkv/linear_proj only on MoE models"
                 )
@@ -73,14 +74,14 @@ def attach_adapters(gpt, cfg: LoraConfig, seed: int = 0) -> int:
     from mcore_rl.policy.param_names import global_name
 
     if gpt.config.sequence_parallel:
-        raise ValueError("model.lora with parallel.sequence_parallel=true is not supported")
+        raise ConfigError("model.lora with parallel.sequence_parallel=true is not supported")
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for p in gpt.parameters():
         p.requires_grad_(False)
     n = 0
     for name, linear in list(_target_linears(gpt, cfg.target_modules)):
         if type(linear).__name__.startswith("TELayerNorm"):
-            raise ValueError(
+            raise ConfigError(
                 "model.lora needs model.transformer_impl=local: Transformer Engine fuses the layer "
                 f"norm into {name}, so the adapter would see the un-normalised input"
             )
@@ -102,7 +103,7 @@ def attach_adapters(gpt, cfg: LoraConfig, seed: int = 0) -> int:
         linear.sharded_state_dict = _sharded_state_dict_fn(linear, name.endswith("mlp.linear_fc1"))
         n += 1
     if n == 0:
-        raise ValueError(f"model.lora.target_modules={cfg.target_modules}: no such linear in this model")
+        raise ConfigError(f"model.lora.target_modules={cfg.target_modules}: no such linear in this model")
     return n
 
 

@@ -106,3 +106,10 @@ def test_bad_lora_settings_one_clear_line(tmp_path):
     )
     assert proc.returncode == 2
     assert "model.lora.target_modules='q_proj'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_lora_on_moe_experts_refused_in_one_line(tmp_path):
+    proc = run(train_cmd("model=tiny_moe", "model.lora.rank=4", f"run.dir={tmp_path}"), timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "config error: model.lora.target_modules: linear_fc1 of MoE experts" in proc.stderr
+    assert "Traceback" not in proc.stderr

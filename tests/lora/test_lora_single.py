@@ -184,3 +184,31 @@ def test_adapter_folder_names_its_base_and_refuses_bad_input(lora, tiny_llama_di
     )
     assert main(["--quiet", "lora-to-peft", "--adapters", str(tmp_path), "--out", str(tmp_path / "p")]) == 2
     assert not (tmp_path / "p").exists()
+
+
+def test_dropout_only_in_training_forwards(lora):
+    from mcore_rl.policy.lora import adapted_linears
+
+    _nonzero_adapters(lora, seed=5)
+    name, lin = next(adapted_linears(lora.model))
+    x = torch.randn(6, 2, lin.lora_A.shape[1], generator=torch.Generator().manual_seed(0))
+    was = lin.training
+    try:
+        lin._lora.dropout = 0.5
+        lin.eval()
+        with torch.no_grad():
+            clean = lin(x)[0]
+            lin.train()
+            torch.manual_seed(0)
+            dropped = lin(x)[0]
+            lin._lora.dropout = 0.0
+            no_drop = lin(x)[0]
+    finally:
+        lin._lora.dropout = 0.0
+        lin.train(was)
+    assert torch.equal(no_drop, clean)  # eval ignores dropout; p=0 adds nothing random
+    assert (dropped - clean).abs().max().item() > 1e-3  # training forwards drop adapter inputs
+    base = torch.matmul(x, lin.weight.t())
+    delta = torch.matmul(torch.matmul(x, lin.lora_A.t()), lin.lora_B.t()) * lin._lora.scale
+    assert delta.abs().max().item() > 1e-2
+    assert (clean - (base + delta)).abs().max().item() < 1e-5  # y = W x + alpha/r * B A x
