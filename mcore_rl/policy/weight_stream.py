@@ -43,6 +43,7 @@ class MemoryMeter:
     peak: int = 0
     largest_param: int = 0
     bucket_bytes: int = 0
+    merged_shard: int = 0  # LoRA: the largest merged weight shard (W + s * B @ A) held while it is gathered
 
     def add(self, n: int) -> None:
         self.live += n
@@ -53,8 +54,9 @@ class MemoryMeter:
 
     @property
     def bound(self) -> int:
-        """One bucket (a parameter larger than a bucket is a bucket of its own) plus one gathered parameter."""
-        return max(self.bucket_bytes, self.largest_param) + self.largest_param
+        """One bucket (a parameter larger than a bucket is a bucket of its own) plus one gathered parameter (plus,
+        with LoRA, that parameter's merged shard)."""
+        return max(self.bucket_bytes, self.largest_param) + self.largest_param + self.merged_shard
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,8 @@ def stage_buckets(
     meter.bucket_bytes = bucket_bytes
     plan = _plan(gpt, args, bucket_bytes)
     meter.largest_param = max([meter.largest_param] + [it.gathered_bytes for b in plan for it in b])
+    meter.merged_shard = max([meter.merged_shard] + [it.param.numel() * it.param.element_size()
+                                                     for b in plan for it in b if it.linear is not None])  # fmt: skip
     filler = _Filler(family, args, meter)
     device = D.collective_device()
     with torch.no_grad():
