@@ -238,7 +238,8 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
     if extra_sharded:
         sharded.update(extra_sharded)
     state = dist_checkpointing.load(sharded, str(p))
-    from mcore_rl.policy.lora import has_adapters, load_adapter_entries
+    from mcore_rl.policy.lora import has_adapters
+    from mcore_rl.policy.lora_state import load_adapter_entries
 
     if has_adapters(model):
         load_adapter_entries(model, state["model"])

@@ -20,6 +20,7 @@ from mcore_rl.models.spec import (
     transformer_config_kwargs,
     validate_parallel,
 )
+from mcore_rl.policy.lora import attach_adapters
 
 
 def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
@@ -54,8 +55,7 @@ def build_gpt_model(
 
     `trainable=False` (reference, old-logit models: forward only) skips DDP, whose contiguous fp32 gradient
     buffers (`main_grad`, one fp32 copy of every parameter) would be allocated for a model that never trains,
-    and freezes the parameters so autograd keeps no graph for them. `lora` (rank > 0): adapters on the target
-    linears and every base weight frozen before DDP, so gradient buffers and optimizer state hold adapters only."""
+    and freezes the parameters so autograd keeps no graph for them. `lora`: adapters, base weights frozen."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -78,9 +78,7 @@ def build_gpt_model(
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
     )
     if lora is not None and lora.enabled:
-        from mcore_rl.policy.lora import attach_adapters
-
-        attach_adapters(model, lora, seed)
+        attach_adapters(model, lora, seed)  # before DDP: grad buffers and optimizer state hold adapters only
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
     from mcore_rl.compat import fused_ops
 

@@ -162,22 +162,21 @@ def _sharded_state_dict_fn(linear, swiglu: bool):
 
 
 # ---------------------------------------------------------------- using adapters
-def adapted_linears(model) -> Iterator[tuple[str, torch.nn.Module]]:
-    from mcore_rl.policy.build import unwrap
-
-    for name, m in unwrap(model).named_modules():
+def adapted_linears(gpt) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(name, linear) of every adapted linear; names are relative to `gpt` (pass the unwrapped GPTModel)."""
+    for name, m in gpt.named_modules():
         if hasattr(m, "_lora"):
             yield name, m
 
 
 def has_adapters(model) -> bool:
-    return next(adapted_linears(model), None) is not None
+    return any(hasattr(m, "_lora") for m in model.modules())
 
 
 @contextlib.contextmanager
 def adapters_disabled(model):
     """The base model: every adapter skipped inside the block (the reference policy, no second model)."""
-    linears = [m for _, m in adapted_linears(model)]
+    linears = [m for m in model.modules() if hasattr(m, "_lora")]
     before = [m._lora.enabled for m in linears]
     for m in linears:
         m._lora.enabled = False
@@ -212,22 +211,6 @@ class BasePolicyView:
 def adapter_entries(sharded: dict) -> dict:
     """The adapter entries of a model's sharded state dict (a LoRA checkpoint holds nothing else)."""
     return {k: v for k, v in sharded.items() if is_adapter_param(k)}
-
-
-def load_adapter_entries(model, state: dict) -> None:
-    """Loaded adapter tensors into the model; every adapter must be there and nothing else."""
-    from mcore_rl.policy.build import unwrap
-
-    params = {n: p for n, p in unwrap(model).named_parameters() if is_adapter_param(n)}
-    if set(state) != set(params):
-        missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-        raise ValueError(
-            f"LoRA checkpoint does not match the model's adapters: missing {missing[:3]}, "
-            f"unexpected {extra[:3]}"
-        )
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(state[n])
 
 
 def trainable_parameters(model) -> tuple[int, int]:

@@ -18,7 +18,8 @@ import torch
 
 from mcore_rl import distributed as D
 from mcore_rl.config.model import LoraConfig
-from mcore_rl.policy.lora import adapted_linears
+from mcore_rl.policy.build import unwrap
+from mcore_rl.policy.lora import adapted_linears, is_adapter_param
 
 ADAPTERS_FILE = "adapters.safetensors"
 META_FILE = "lora.json"
@@ -26,11 +27,10 @@ META_FILE = "lora.json"
 
 def _local_adapters(model) -> Iterator[tuple[str, str, torch.nn.Module, torch.nn.Parameter]]:
     """(canonical name, 'A' | 'B', linear, this rank's shard) for every adapter tensor of this rank."""
-    from mcore_rl.policy.build import unwrap
     from mcore_rl.policy.param_names import global_name
 
     gpt = unwrap(model)
-    for name, linear in adapted_linears(model):
+    for name, linear in adapted_linears(gpt):
         for which in ("A", "B"):
             yield global_name(gpt, f"{name}.lora_{which}"), which, linear, getattr(linear, f"lora_{which}")
 
@@ -107,6 +107,20 @@ def load_adapters(model, get_full: Callable[[str], torch.Tensor]) -> int:
         p.data.copy_(shard.to(p.dtype))
         n += 1
     return n
+
+
+def load_adapter_entries(model, state: dict) -> None:
+    """Loaded adapter tensors into the model; every adapter must be there and nothing else."""
+    params = {n: p for n, p in unwrap(model).named_parameters() if is_adapter_param(n)}
+    if set(state) != set(params):
+        missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise ValueError(
+            f"LoRA checkpoint does not match the model's adapters: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}"
+        )
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(state[n])
 
 
 def base_model_hash(folder: str | Path) -> str:
