@@ -122,9 +122,13 @@ def latest_checkpoint(ckpt_root: str | Path, report: bool = False) -> Path | Non
 
 
 def model_sharded_state_dict(model) -> dict:
+    """The model's dist-checkpoint entries; a LoRA policy's are its adapters only (its frozen base is the HF
+    folder the checkpoint's meta names by path and hash, loaded from there on resume)."""
     from mcore_rl.policy.build import unwrap
+    from mcore_rl.policy.lora import adapter_entries, has_adapters
 
-    return unwrap(model).sharded_state_dict(prefix="")
+    sd = unwrap(model).sharded_state_dict(prefix="")
+    return adapter_entries(sd) if has_adapters(model) else sd
 
 
 def _fsync_own_files(tmp: Path, rank: int) -> None:
@@ -234,7 +238,13 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
     if extra_sharded:
         sharded.update(extra_sharded)
     state = dist_checkpointing.load(sharded, str(p))
-    unwrap(model).load_state_dict(state["model"])
+    from mcore_rl.policy.lora import has_adapters
+    from mcore_rl.policy.lora_state import load_adapter_entries
+
+    if has_adapters(model):
+        load_adapter_entries(model, state["model"])
+    else:
+        unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     state.pop("model", None)

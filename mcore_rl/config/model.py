@@ -51,6 +51,37 @@ class MoeConfig:
         positive("model.moe.aux_loss_coeff", self.aux_loss_coeff, allow_zero=True)
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the policy's Megatron linears (docs/lora.md); rank 0 = off, every weight trains.
+
+    Why these names: they are Megatron's module names, the ones the TP sharding of an adapter follows
+    (linear_qkv/linear_fc1 column-parallel, linear_proj/linear_fc2 row-parallel)."""
+
+    rank: int = 0                   # r; 0 = no adapters (full-weight training)
+    alpha: float = 16.0             # the update is alpha / r * B @ A
+    dropout: float = 0.0            # dropout on the adapter's input (training forward only)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        positive("model.lora.rank", self.rank, allow_zero=True)
+        positive("model.lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        self.target_modules = list(self.target_modules)
+        if not self.target_modules:
+            raise ConfigError("model.lora.target_modules is empty; name at least one of " + ", ".join(LORA_TARGETS))
+        for t in self.target_modules:
+            one_of("model.lora.target_modules", t, LORA_TARGETS)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass
 class ModelConfig:
     source: str = "smollm2"         # smollm2 | hf (hf_path) | tiny (random init from `tiny`)
@@ -63,6 +94,7 @@ class ModelConfig:
     compile: bool = True            # bf16/fp16: torch.compile'd element-wise ops in the trainer; false = eager
     load_check: LoadCheckConfig = field(default_factory=LoadCheckConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoeConfig | None = None    # MoE models only (hydra_conf/model/tiny_moe.yaml)
     tiny: dict[str, Any] | None = None  # source=tiny: HF config fields of the random model (+ model_type, seed)
 
@@ -72,5 +104,8 @@ class ModelConfig:
         one_of("model.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
         if self.source == "hf" and not self.hf_path:
             raise ConfigError("model.source=hf needs model.hf_path=/path/to/hf/folder")
+        if self.lora.enabled and self.mcore_ckpt:
+            raise ConfigError("model.lora.rank>0 with model.mcore_ckpt is not supported: start LoRA from the HF "
+                              "folder (model.source=hf, model.hf_path)")
         if self.source == "tiny" and not self.tiny:
             raise ConfigError("model.source=tiny needs model.tiny (the random model's HF config fields)")

@@ -1,4 +1,4 @@
-"""`mcore-rl-convert`: hf-to-mcore, mcore-to-hf, verify.
+"""`mcore-rl-convert`: hf-to-mcore, mcore-to-hf, verify, lora-to-peft, lora-merge.
 
 Exit codes: 0 success, 1 verify above tolerance, 2 bad input / refused / failed conversion (one line on stderr).
 """
@@ -86,10 +86,33 @@ def _run_verify(a: argparse.Namespace) -> int:
     return 0 if res.max_abs_diff <= a.tol else 1
 
 
+def _lora_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapters", required=True, help="LoRA adapter folder (lora.json + adapters.safetensors)")
+    p.add_argument("--out", required=True, help="folder to create")
+    p.add_argument("--base", default=None, help="HF base model folder (default: the path lora.json names)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+
+def _run_lora_to_peft(a: argparse.Namespace) -> int:
+    from mcore_rl.convert.peft_export import export_peft
+
+    print(f"wrote {export_peft(a.adapters, a.out, a.base, a.force)} (PEFT LoRA adapter)")
+    return 0
+
+
+def _run_lora_merge(a: argparse.Namespace) -> int:
+    from mcore_rl.convert.peft_export import export_merged
+
+    print(f"wrote {export_merged(a.adapters, a.out, a.base, a.force)} (HF model, adapters merged)")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "hf-to-mcore": Command("HF safetensors -> Megatron torch_dist checkpoint", _hf_to_mcore_args, _run_hf_to_mcore),
     "mcore-to-hf": Command("Megatron torch_dist checkpoint -> HF safetensors", _mcore_to_hf_args, _run_mcore_to_hf),
     "verify": Command("compare transformers and Megatron logits", _verify_args, _run_verify),
+    "lora-to-peft": Command("LoRA adapter folder -> PEFT adapter folder", _lora_args, _run_lora_to_peft),
+    "lora-merge": Command("LoRA adapter folder + HF base -> merged HF folder", _lora_args, _run_lora_merge),
 }
 
 

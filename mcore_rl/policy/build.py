@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from mcore_rl.config.model import LoraConfig
 from mcore_rl.config.optim import OptimSettings
 from mcore_rl.models.base import ModelArgs
 from mcore_rl.models.moe_spec import moe_config_kwargs, moe_layer_spec, validate_moe_parallel
@@ -20,6 +21,7 @@ from mcore_rl.models.spec import (
     transformer_config_kwargs,
     validate_parallel,
 )
+from mcore_rl.policy.lora import attach_adapters
 
 
 def _finalize_without_token_scaling(model, num_tokens=None, *args, **kwargs):
@@ -48,13 +50,13 @@ def build_transformer_config(args: ModelArgs, build: BuildConfig, trainable: boo
 
 def build_gpt_model(
     args: ModelArgs, build: BuildConfig, *, wrap_ddp: bool = True, use_distributed_optimizer: bool = False,
-    trainable: bool = True,
+    trainable: bool = True, lora: LoraConfig | None = None, seed: int = 0,
 ):
     """GPTModel for this rank's PP stage (TP-sharded), optionally wrapped for mixed precision and DDP.
 
     `trainable=False` (reference, old-logit models: forward only) skips DDP, whose contiguous fp32 gradient
     buffers (`main_grad`, one fp32 copy of every parameter) would be allocated for a model that never trains,
-    and freezes the parameters so autograd keeps no graph for them."""
+    and freezes the parameters so autograd keeps no graph for them. `lora`: adapters, base weights frozen."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -75,6 +77,8 @@ def build_gpt_model(
         rotary_base=int(args.rope_theta),
     )
     set_rotary(model, args.rope, args.head_dim)  # HF's RoPE variant (models/rope.py), before any forward
+    if lora is not None and lora.enabled:
+        attach_adapters(model, lora, seed)  # before DDP: grad buffers and optimizer state hold adapters only
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
     from mcore_rl.compat import fused_ops
 

@@ -15,6 +15,7 @@ import torch
 from mcore_rl import distributed as D
 from mcore_rl.models.base import ModelArgs, ModelFamily
 from mcore_rl.policy.build import unwrap
+from mcore_rl.policy.lora import is_adapter_param
 from mcore_rl.policy.param_names import global_name, is_fc1, tp
 from mcore_rl.policy.weight_stream import (
     Bucket,
@@ -54,6 +55,8 @@ def load_full_tensors(
     gpt = unwrap(model)
     n = 0
     for local_name, param in gpt.named_parameters():
+        if is_adapter_param(local_name):
+            continue  # LoRA adapters are not HF weights (policy/lora_state.py loads them)
         name = global_name(gpt, local_name)
         tp_rank, tp_size = tp(name)
         source = (

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.config.model import LoraConfig
 from mcore_rl.config.optim import OptimSettings
 from mcore_rl.distributed import all_reduce
 from mcore_rl.models.base import ModelArgs, family_for, read_hf_config
@@ -24,7 +25,8 @@ class PolicyConfig:
     optim: OptimSettings = field(default_factory=OptimSettings)  # the `optim.*` group's schema dataclass
     decay_steps: int = 1000  # LR schedule length; the trainer passes trainer.steps
     token_budget: int = 4096  # tokens per micro-batch (rows * padded length)
-    seed: int = 0  # bf16 stochastic rounding's noise stream (with the optimizer step)
+    seed: int = 0  # bf16 stochastic rounding's noise stream (with the optimizer step); LoRA A's init
+    lora: LoraConfig = field(default_factory=LoraConfig)  # `model.lora`; rank 0 = full-weight training
 
 
 class Policy:
@@ -35,9 +37,11 @@ class Policy:
         self.cfg = cfg
         cfg.build.dtype = resolve_dtype(cfg.build.dtype)  # `auto` -> fp32 | bf16, measured once, logged
         self.model = build_gpt_model(  # frozen (trainable=False): no DDP gradient buffers, no optimizer
-            self.args, cfg.build, use_distributed_optimizer=cfg.optim.use_distributed_optimizer, trainable=trainable
+            self.args, cfg.build, use_distributed_optimizer=cfg.optim.use_distributed_optimizer, trainable=trainable,
+            lora=cfg.lora, seed=cfg.seed,
         )
         self.optimizer = self.scheduler = None
+        self.base_path: Path | None = None
         self.router_load = None
         if self.args.moe is not None:
             from mcore_rl.policy.moe_metrics import RouterLoad
@@ -53,6 +57,7 @@ class Policy:
         return unwrap(self.model)
 
     def load_hf(self, folder: str | Path) -> int:
+        self.base_path = Path(folder)  # a LoRA checkpoint names its base by this path (+ hash)
         with HFReader(folder) as reader:
             n = load_hf_into_model(self.model, self.family, self.args, reader)
         self._sync_main_params()

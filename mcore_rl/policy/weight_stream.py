@@ -8,6 +8,8 @@ bucket for NCCL, one IPC handle per bucket for colocated engines). The packing m
 `FlattenedTensorBucket.empty`: entries back to back in order, no padding (so a bucket holds one dtype).
 The gathered parameter is written straight into its bucket slot (`torch.cat(..., out=slot)`); the adapter's HF
 tensors are views of that slot or, when the adapter copies (QKV split), are written back over it.
+A LoRA-adapted linear streams its merged weight (W + alpha/r * B @ A, merged shard by shard before the gather),
+so every receiver loads plain HF weights and the adapters themselves never enter a bucket.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class MemoryMeter:
     peak: int = 0
     largest_param: int = 0
     bucket_bytes: int = 0
+    merged_shard: int = 0  # LoRA: the largest merged weight shard (W + s * B @ A) held while it is gathered
 
     def add(self, n: int) -> None:
         self.live += n
@@ -51,8 +54,9 @@ class MemoryMeter:
 
     @property
     def bound(self) -> int:
-        """One bucket (a parameter larger than a bucket is a bucket of its own) plus one gathered parameter."""
-        return max(self.bucket_bytes, self.largest_param) + self.largest_param
+        """One bucket (a parameter larger than a bucket is a bucket of its own) plus one gathered parameter (plus,
+        with LoRA, that parameter's merged shard)."""
+        return max(self.bucket_bytes, self.largest_param) + self.largest_param + self.merged_shard
 
 
 @dataclass(frozen=True)
@@ -116,11 +120,24 @@ class _Item:
     name: str  # canonical, global indices
     param: torch.Tensor
     gathered_bytes: int  # size of the TP(/EP)-gathered tensor
+    linear: torch.nn.Module | None = None  # the LoRA-adapted linear owning this weight (streamed merged)
+
+    def data(self) -> torch.Tensor:
+        if self.linear is None:
+            return self.param.data
+        from mcore_rl.policy.lora import merged_shard
+
+        return merged_shard(self.linear)
 
 
 def _plan(gpt, args: ModelArgs, bucket_bytes: int) -> list[list[_Item]]:
+    from mcore_rl.policy.lora import adapted_linears, is_adapter_param
+
+    adapted = {f"{n}.weight": m for n, m in adapted_linears(gpt)}
     items = []
     for local_name, param in gpt.named_parameters():
+        if is_adapter_param(local_name):
+            continue  # merged into their linear's weight below
         name = global_name(gpt, local_name)
         if name == "output_layer.weight" and args.tie_word_embeddings:
             continue  # the tied copy on the last stage; the embedding is the source of truth
@@ -129,7 +146,7 @@ def _plan(gpt, args: ModelArgs, bucket_bytes: int) -> list[list[_Item]]:
             n *= tp(name)[1]
         if is_expert(name):
             n *= ep()[1]
-        items.append(_Item(local_name, name, param, n))
+        items.append(_Item(local_name, name, param, n, adapted.get(local_name)))
     buckets: list[list[_Item]] = []
     size = 0
     for it in items:
@@ -143,8 +160,8 @@ def _plan(gpt, args: ModelArgs, bucket_bytes: int) -> list[list[_Item]]:
 
 
 # ---------------------------------------------------------------- gathering one parameter into its slot
-def _tp_parts(name: str, param: torch.Tensor) -> list[torch.Tensor] | None:
-    """Every TP rank's shard of `param` (None when it is not TP-sharded)."""
+def _tp_parts(name: str, param: torch.Tensor, data: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every TP rank's shard `data` of `param` (None when it is not TP-sharded)."""
     from megatron.core import parallel_state as ps
 
     if tp(name)[1] == 1 or not getattr(param, "tensor_model_parallel", False):
@@ -152,13 +169,14 @@ def _tp_parts(name: str, param: torch.Tensor) -> list[torch.Tensor] | None:
     group = (
         ps.get_expert_tensor_parallel_group() if is_expert(name) else ps.get_tensor_model_parallel_group()
     )
-    return D.all_gather(param.data, group=group)
+    return D.all_gather(data, group=group)
 
 
-def _assemble(name: str, param: torch.Tensor, parts: list[torch.Tensor] | None, out: torch.Tensor) -> None:
+def _assemble(name: str, param: torch.Tensor, data: torch.Tensor, parts: list[torch.Tensor] | None,
+              out: torch.Tensor) -> None:
     """Write the full canonical tensor into `out` (no temporary: cat writes into the slot)."""
     if parts is None:
-        out.copy_(param.data)
+        out.copy_(data)
     elif is_fc1(name):  # each TP rank holds [gate_r; up_r]
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
         torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=out)
@@ -215,6 +233,8 @@ def stage_buckets(
     meter.bucket_bytes = bucket_bytes
     plan = _plan(gpt, args, bucket_bytes)
     meter.largest_param = max([meter.largest_param] + [it.gathered_bytes for b in plan for it in b])
+    meter.merged_shard = max([meter.merged_shard] + [it.param.numel() * it.param.element_size()
+                                                     for b in plan for it in b if it.linear is not None])  # fmt: skip
     filler = _Filler(family, args, meter)
     device = D.collective_device()
     with torch.no_grad():
@@ -237,9 +257,13 @@ def _gather_into(
 ) -> int:
     from megatron.core import parallel_state as ps
 
-    parts = _tp_parts(it.name, it.param)
+    data = it.data()
+    merged_bytes = data.numel() * data.element_size() if it.linear is not None else 0
+    meter.add(merged_bytes)
+    parts = _tp_parts(it.name, it.param, data)
     part_bytes = sum(p.numel() * p.element_size() for p in parts) if parts is not None else 0
-    meter.add(part_bytes)
+    part_bytes += merged_bytes  # released with the parts
+    meter.add(part_bytes - merged_bytes)
     if not is_expert(it.name):
         if bucket is not None:
             n = it.gathered_bytes
@@ -248,7 +272,7 @@ def _gather_into(
             if parts is not None:
                 shape[0 if is_fc1(it.name) else it.param.partition_dim] *= len(parts)
             full = slot.view(shape)
-            _assemble(it.name, it.param, parts, full)
+            _assemble(it.name, it.param, data, parts, full)
             del parts
             meter.sub(part_bytes)
             return filler.place(bucket, cursor, it.name, full)
@@ -260,7 +284,7 @@ def _gather_into(
         shape[0 if is_fc1(it.name) else it.param.partition_dim] *= len(parts)
     full_tp = torch.empty(shape, dtype=it.param.dtype, device=it.param.device)
     meter.add(full_tp.numel() * full_tp.element_size())
-    _assemble(it.name, it.param, parts, full_tp)
+    _assemble(it.name, it.param, data, parts, full_tp)
     meter.sub(part_bytes)
     del parts
     ep_size = ep()[1]

@@ -93,3 +93,11 @@ def export_hf(c: Components) -> None:
     else:
         for _ in stream:
             pass
+    from mcore_rl.policy.lora import has_adapters
+
+    if has_adapters(c.policy.model):  # LoRA: run.dir/hf is merged; run.dir/lora the adapters (-> PEFT, docs/lora.md)
+        from mcore_rl.policy.lora_state import gather_adapters, save_adapter_folder
+
+        tensors = gather_adapters(c.policy.model)
+        if c.rank == 0:
+            save_adapter_folder(tensors, c.run_dir / "lora", c.policy.cfg.lora, c.model_dir)

@@ -25,7 +25,9 @@ def load_policies(
 
     pcfg = policy_config(cfg, dtype)
     policy = Policy(model_dir, pcfg)
-    ref = Policy(model_dir, policy_config(cfg, dtype), trainable=False) if algorithm.needs_ref_logp else None
+    ref = None
+    if algorithm.needs_ref_logp and not cfg.model.lora.enabled:
+        ref = Policy(model_dir, policy_config(cfg, dtype), trainable=False)
     for pol in filter(None, (policy, ref)):
         if cfg.model.mcore_ckpt:
             load_dist_checkpoint(cfg.model.mcore_ckpt, pol.model)
@@ -33,6 +35,10 @@ def load_policies(
         else:
             pol.load_hf(model_dir)
     _load_check(policy, model_dir, cfg.model.load_check, from_hf=not cfg.model.mcore_ckpt)
+    if algorithm.needs_ref_logp and cfg.model.lora.enabled:
+        from mcore_rl.policy.lora import BasePolicyView
+
+        ref = BasePolicyView(policy)  # LoRA: the reference is the policy itself with its adapters off
     ewma = None
     if algorithm.needs_prox_logp:
         from mcore_rl.algorithms import EwmaWeights

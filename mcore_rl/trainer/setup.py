@@ -32,7 +32,7 @@ def build_config(cfg: MainConfig, dtype: str | None = None) -> BuildConfig:
 
 def policy_config(cfg: MainConfig, dtype: str | None = None) -> PolicyConfig:
     return PolicyConfig(build=build_config(cfg, dtype), optim=cfg.optim, decay_steps=max(1, cfg.trainer.steps),
-                        token_budget=cfg.trainer.token_budget, seed=int(cfg.seed))
+                        token_budget=cfg.trainer.token_budget, seed=int(cfg.seed), lora=cfg.model.lora)
 
 
 def check_model_against_parallel(cfg: MainConfig, model_dir: Path) -> None:

@@ -85,6 +85,10 @@ def save_checkpoint(ckpt_root: str | Path, update: int, policy, trainer_state: d
     path = root / f"step_{update:06d}"
     meta = {"update": update, "trainer": trainer_state,
             "scheduler": policy.scheduler.state_dict() if policy.scheduler else None}
+    from mcore_rl.policy.lora_state import base_reference
+
+    if (base := base_reference(policy)) is not None:
+        meta["lora_base"] = base  # a LoRA checkpoint holds adapters + optimizer only; the base is referenced
     rank_state = {"rng": rng_state(), **(rank_extra or {})}
     save_dist_checkpoint(path, policy.model, policy.optimizer, meta=meta, overwrite=True, rank_state=rank_state,
                          step=update)
@@ -107,6 +111,9 @@ def save_checkpoint(ckpt_root: str | Path, update: int, policy, trainer_state: d
 def load_checkpoint(path: str | Path, policy) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restore model + optimizer + scheduler + RNG. Returns (meta, this rank's extra state)."""
     meta = load_dist_checkpoint(path, policy.model, policy.optimizer)
+    from mcore_rl.policy.lora_state import check_base
+
+    check_base(policy, meta.get("lora_base"))
     if policy.scheduler is not None and meta.get("scheduler"):
         policy.scheduler.load_state_dict(meta["scheduler"])
     extra = load_rank_state(path) or {}
