@@ -126,7 +126,7 @@ def test_old_logit_model_scores_finished_samples_at_their_version(policy, tiny_l
 
 
 def test_single_version_check_names_spanning_rows():
-    with pytest.raises(RuntimeError, match=r"rows \[1\] span several weight versions"):
+    with pytest.raises(RuntimeError, match=r"rows \[1\] have a turn that spans several weight versions"):
         check_single_version(_rb(_samples([[0, 0], [0, 1]])))
 
 
