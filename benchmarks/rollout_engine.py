@@ -47,6 +47,7 @@ def run_hf(
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)  # a CUDA model takes CUDA inputs
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids,
@@ -61,7 +62,7 @@ def run_hf(
             min_new_tokens=new_tokens if ignore_eos else 0,
         )
     if ignore_eos:
-        return out[:, width:].numel()
+        return out[:, width:].cpu().numel()  # .cpu(): the timing includes the GPU's queued work
     return sum(row.index(eos) + 1 if eos in row else len(row) for row in out[:, width:].tolist())
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The checks only a CUDA machine can make, in one go (about 6 minutes on one H100/H200):
+#   1. the `gpu` test suite (NCCL world of one, bf16 parity + train step, engine on cuda, CLI train + resume,
+#      CUDA IPC tensor payloads; TE FP8 where transformer_engine imports),
+#   2. benchmarks/policy_step.py: Megatron fwd+bwd MFU for a ~0.5B Llama shape in bf16 (the roofline is the best
+#      torch.mm rate on this GPU, measured in the same run),
+#   3. benchmarks/rollout_engine.py: the embedded engine's decode tokens/s against transformers.generate on a
+#      SmolLM2-135M-shaped model (random weights: the speed does not depend on them; --ignore-eos).
+# Logs go to $OUT (default ./gpu_checks_out). Usage: bash scripts/gpu_checks.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_checks_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
+PY=${PYTHON:-python3}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__, \
+torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$OUT/machine.txt"
+
+timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -q -m gpu -rA tests/gpu tests/rollout/test_tensor_payload.py 2>&1 \
+  | tee "$OUT/gpu_suite.log"
+
+timeout "${BENCH_TIMEOUT:-150}" $PY benchmarks/policy_step.py --model llama-0.5b --dtypes bf16,fp32 --batch 8 \
+  --seq 1024 --iters 5 --no-hf 2>&1 | tee "$OUT/policy_step.log"
+
+# a SmolLM2-135M-shaped random model with the SmolLM2 tokenizer (taken from the tiny model's folder)
+ENGINE_DIR=$($PY - <<'EOF'
+import tempfile
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from omegaconf import OmegaConf
+from mcore_rl.models.source import tiny_model_dir
+
+tiny = tiny_model_dir(OmegaConf.to_container(OmegaConf.load("hydra_conf/model/tiny.yaml").tiny))
+tok = AutoTokenizer.from_pretrained(tiny)
+cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, vocab_size=len(tok), tie_word_embeddings=True,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+out = tempfile.mkdtemp(prefix="smollm2_shape_")
+LlamaForCausalLM(cfg).save_pretrained(out)
+tok.save_pretrained(out)
+print(out)
+EOF
+)
+for dtype in bfloat16 float32; do
+  timeout "${ENGINE_TIMEOUT:-120}" $PY benchmarks/rollout_engine.py --model-path "$ENGINE_DIR" --prompts 64 \
+    --new-tokens 128 --ignore-eos --repeats 2 --dtype $dtype 2>&1 | tee -a "$OUT/rollout_engine.log"
+done
