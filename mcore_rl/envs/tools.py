@@ -13,8 +13,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import resource
-import signal
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +21,7 @@ from typing import Any
 from mcore_rl.envs.base import Tool
 from mcore_rl.envs.tool_calls import ToolCall, check_arguments
 from mcore_rl.rewards.pool import VerifierPool, _preload_modules
-from mcore_rl.rewards.worker import MEMORY_LIMIT, limit_address_space
+from mcore_rl.rewards.worker import MEMORY_LIMIT, serve_in_worker, set_cpu_deadline
 
 logger = logging.getLogger(__name__)
 MAX_RESULT_CHARS = 2000  # a tool result longer than this is cut (it becomes prompt tokens of the next turn)
@@ -51,36 +49,22 @@ def _run_one(fn: Any, args_json: str) -> tuple[float, bool, str, str]:
 
 
 def tool_worker_main(conn: Any, opts: ToolWorkerOptions) -> None:
-    """Worker loop: import the tool functions, cap memory and CPU, serve calls until EOF / None."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    try:
-        fns = {}
+    """Spawned tool worker: import the tool functions, then serve (name, arguments_json) calls in the rewards'
+    sandboxed loop (same memory cap, per-call CPU deadline and exit-after-MemoryError as the verifiers)."""
+    fns: dict[str, Any] = {}
+
+    def load() -> None:
         for name, path in opts.functions.items():
             module, _, attr = path.partition(":")
             fns[name] = getattr(importlib.import_module(module), attr)
-        limit_address_space(opts.memory_limit_mb)
-        conn.send(("ready", os.getpid()))
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                break
-            key, name, args_json = msg
-            if opts.fault == "crash":
-                os._exit(3)
-            used = resource.getrusage(resource.RUSAGE_SELF)
-            soft = int(used.ru_utime + used.ru_stime) + 1 + opts.cpu_limit_s
-            _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-            if hard == resource.RLIM_INFINITY or soft <= hard:
-                resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
-            result = _run_one(fns[name], args_json)
-            conn.send(("result", key, result))
-            if result[2] == MEMORY_LIMIT:
-                break
-    except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
-        pass
-    finally:
-        conn.close()
+
+    def call(name: str, args_json: str) -> tuple[float, bool, str, str]:
+        if opts.fault == "crash":
+            os._exit(3)
+        set_cpu_deadline(opts.cpu_limit_s)
+        return _run_one(fns[name], args_json)
+
+    serve_in_worker(conn, load, opts.memory_limit_mb, call)
 
 
 @dataclass

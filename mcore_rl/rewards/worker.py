@@ -19,6 +19,7 @@ import logging
 import os
 import resource
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,13 +108,18 @@ def verify_case(response: str, gold: str, opts: WorkerOptions) -> CaseResult:
     return (1.0, True, "correct", shown) if ok else (0.0, False, "wrong_answer", shown)
 
 
-def _guarded(response: str, gold: str, opts: WorkerOptions) -> CaseResult:
+def set_cpu_deadline(seconds: int) -> None:
+    """SIGXCPU after `seconds` more CPU time: a per-call limit in a long-lived worker (RLIMIT_CPU counts the
+    process's whole life, so the soft limit moves with each call), never above the hard limit."""
     used = resource.getrusage(resource.RUSAGE_SELF)
-    cpu_now = int(used.ru_utime + used.ru_stime) + 1
+    soft = int(used.ru_utime + used.ru_stime) + 1 + seconds
     _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    soft = cpu_now + opts.cpu_limit_s
     if hard == resource.RLIM_INFINITY or soft <= hard:
         resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def _guarded(response: str, gold: str, opts: WorkerOptions) -> CaseResult:
+    set_cpu_deadline(opts.cpu_limit_s)
     try:
         if opts.fault:
             act_reward_fault(opts.fault)
@@ -126,25 +132,34 @@ def _guarded(response: str, gold: str, opts: WorkerOptions) -> CaseResult:
         return 0.0, False, f"error:{type(e).__name__}", None
 
 
-def worker_main(conn: Any, opts: WorkerOptions) -> None:
-    """Entry point of a spawned worker: announce readiness, then serve (idx, response, gold) until EOF/None."""
+def serve_in_worker(conn: Any, warm_up: Callable[[], object], memory_limit_mb: int,
+                    handle: Callable[..., CaseResult]) -> None:
+    """The loop every sandboxed worker runs (verifiers and tools alike): pay lazy imports in `warm_up`, cap memory,
+    announce ("ready", pid), then answer each (key, *payload) with ("result", key, handle(*payload)) until EOF/None.
+    A process that hit its memory limit may hold half-built caches, so it exits and the pool starts a fresh one."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes us
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU must not write core files
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # "timeout disabled" notices: we time out
     try:
-        verify_case("\\boxed{1}", "1", opts)  # pay sympy/latex2sympy lazy imports before announcing readiness
-        limit_address_space(opts.memory_limit_mb)
+        warm_up()
+        limit_address_space(memory_limit_mb)
         conn.send(("ready", os.getpid()))
         while True:
             msg = conn.recv()
             if msg is None:
                 break
-            idx, response, gold = msg
-            result = _guarded(response, gold, opts)
-            conn.send(("result", idx, result))
+            key, *payload = msg
+            result = handle(*payload)
+            conn.send(("result", key, result))
             if result[2] == MEMORY_LIMIT:
-                break  # a process that hit its limit may hold half-built caches: the pool starts a fresh one
+                break
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # parent went away: exit quietly, never linger as an orphan
     finally:
         conn.close()
+
+
+def worker_main(conn: Any, opts: WorkerOptions) -> None:
+    """Entry point of a spawned reward worker: serves (idx, response, gold) -> CaseResult."""
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # "timeout disabled" notices: we time out
+    serve_in_worker(conn, lambda: verify_case("\\boxed{1}", "1", opts),  # sympy/latex2sympy lazy imports
+                    opts.memory_limit_mb, lambda response, gold: _guarded(response, gold, opts))
