@@ -16,7 +16,7 @@ from mcore_rl import distributed as D
 from mcore_rl.models.base import ModelArgs, ModelFamily
 from mcore_rl.policy.build import unwrap
 from mcore_rl.policy.lora import is_adapter_param
-from mcore_rl.policy.param_names import global_name, is_fc1, tp
+from mcore_rl.policy.param_names import copy_shard, global_name, is_fc1, tp
 from mcore_rl.policy.weight_stream import (
     Bucket,
     MemoryMeter,
@@ -69,12 +69,8 @@ def load_full_tensors(
             name, full, param.shape[0] * (tp_size if getattr(param, "tensor_model_parallel", False) else 1)
         )
         shard = _tp_slice(name, full, param, tp_rank, tp_size)
-        if tuple(shard.shape) != tuple(param.shape):
-            raise ValueError(
-                f"shape mismatch for {name}: checkpoint gives {tuple(shard.shape)} for this rank, model expects "
-                f"{tuple(param.shape)} (tp={tp_size}); is the HF config the one these weights belong to?"
-            )
-        param.data.copy_(shard.to(param.dtype))
+        copy_shard(param, shard, f"shape mismatch for {name} (tp={tp_size})",
+                   "is the HF config the one these weights belong to?")
         n += 1
     return n
 

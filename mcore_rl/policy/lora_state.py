@@ -20,6 +20,7 @@ from mcore_rl import distributed as D
 from mcore_rl.config.model import LoraConfig
 from mcore_rl.policy.build import unwrap
 from mcore_rl.policy.lora import adapted_linears, is_adapter_param
+from mcore_rl.policy.param_names import copy_shard
 
 ADAPTERS_FILE = "adapters.safetensors"
 META_FILE = "lora.json"
@@ -99,12 +100,7 @@ def load_adapters(model, get_full: Callable[[str], torch.Tensor]) -> int:
     n = 0
     for name, which, linear, p in _local_adapters(model):
         shard = _slice(name, linear, which, get_full(name), rank, size)
-        if tuple(shard.shape) != tuple(p.shape):
-            raise ValueError(
-                f"LoRA adapter {name}: file gives {tuple(shard.shape)} for this rank, model expects "
-                f"{tuple(p.shape)} (tp={size}); were the adapters made with this model.lora.rank?"
-            )
-        p.data.copy_(shard.to(p.dtype))
+        copy_shard(p, shard, f"LoRA adapter {name} (tp={size})", "were the adapters made with this model.lora.rank?")
         n += 1
     return n
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from mcore_rl.models.llama import canonical_name
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -63,3 +65,12 @@ def tp(name: str = ""):
     if is_expert(name):
         return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def copy_shard(param: torch.Tensor, shard: torch.Tensor, what: str, hint: str) -> None:
+    """Copy this rank's slice of a full tensor into its parameter, refusing a shape that does not fit in one line
+    (`what` names the tensor, `hint` the likely cause) rather than letting a broadcast copy hide a wrong layout."""
+    if tuple(shard.shape) != tuple(param.shape):
+        raise ValueError(f"{what}: the file gives {tuple(shard.shape)} for this rank, the model expects "
+                         f"{tuple(param.shape)}; {hint}")
+    param.data.copy_(shard.to(param.dtype))
