@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
@@ -38,6 +38,7 @@ class _Live:
     turn_rewards: list[float] = field(default_factory=list)
     tool_calls: int = 0
     valid_tool_calls: int = 0
+    tool_reasons: dict[str, int] = field(default_factory=dict)  # tool results by outcome (ok, timeout, ...)
     calls: list[ToolCall] = field(default_factory=list)  # this turn's calls, waiting for the pool
     feedback: Feedback | None = None
     termination: str | None = None
@@ -64,7 +65,7 @@ class _Live:
     def finish(self, termination: str) -> None:
         self.termination = termination
 
-    def trajectory(self, tool_reasons: dict[str, int]) -> Trajectory:
+    def trajectory(self) -> Trajectory:
         ep = self.episode
         return Trajectory(
             prompt_id=ep.record.prompt_id,
@@ -85,7 +86,7 @@ class _Live:
             metadata={
                 "rid": self.rid,
                 "attempts": ep.attempts,
-                "tool_results": dict(tool_reasons),
+                "tool_results": dict(self.tool_reasons),
                 **ep.state,
             },
         )
@@ -112,6 +113,12 @@ class EpisodeRunner:
     ) -> list[Trajectory]:
         """One trajectory per (record, sample), record-major. `sampling` sets temperature / top-p / top-k / seed;
         max_new_tokens per turn is the env's, shrunk to the episode's remaining token budget."""
+        lives = self.start(records, samples_per_prompt)
+        self.advance(lives, sampling)
+        return [live.trajectory() for live in lives]
+
+    def start(self, records: Sequence[PromptRecord], samples_per_prompt: int = 1) -> list[_Live]:
+        """The episodes of `records` before their first turn (record-major), each with its first prompt."""
         lives = []
         for rec in records:
             for j in range(samples_per_prompt):
@@ -124,23 +131,29 @@ class EpisodeRunner:
                     )
                 rid = f"{rec.prompt_id}#{j}-{next(_rid_counter)}"
                 lives.append(_Live(Episode(rec, j, messages), rid, ids, len(ids)))
-        tool_reasons: list[dict[str, int]] = [{} for _ in lives]
+        return lives
+
+    def advance(
+        self, lives: Sequence[_Live], sampling: SamplingParams, pause: Callable[[_Live], bool] | None = None
+    ) -> None:
+        """Run every unfinished episode of `lives` until it terminates, or (partial rollouts) until `pause(live)`
+        says so at a turn boundary: a paused episode is left ready for its next turn, a later call continues it."""
         pending: dict[Future, int] = {}
         for i, live in enumerate(lives):
-            pending[self._submit(live, sampling)] = i
+            if live.termination is None:
+                pending[self._submit(live, sampling)] = i
         try:
             while pending:
                 done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                 finished = sorted((pending.pop(f), f.result()) for f in done)
-                self._advance(finished, lives, tool_reasons)
+                self._advance(finished, lives)
                 for i, _ in finished:
-                    if lives[i].termination is None:
+                    if lives[i].termination is None and not (pause is not None and pause(lives[i])):
                         pending[self._submit(lives[i], sampling)] = i
         except BaseException:
             for i in pending.values():  # an environment or tool error: leave no turn decoding for nobody
                 self.engine.abort(f"{lives[i].rid}/t{lives[i].episode.turn}")
             raise
-        return [live.trajectory(tool_reasons[i]) for i, live in enumerate(lives)]
 
     # ---- one turn ----------------------------------------------------------------------------------------
     def _submit(self, live: _Live, sampling: SamplingParams) -> Future:
@@ -162,9 +175,7 @@ class EpisodeRunner:
         )
         return self.engine.submit([req])[0]
 
-    def _advance(
-        self, finished: list[tuple[int, Sample]], lives: list[_Live], tool_reasons: list[dict[str, int]]
-    ) -> None:
+    def _advance(self, finished: list[tuple[int, Sample]], lives: Sequence[_Live]) -> None:
         """Append each finished turn, run all their tool calls in one pool batch, then ask the environment."""
         for i, sample in finished:
             self._close_turn(lives[i], sample)
@@ -183,7 +194,7 @@ class EpisodeRunner:
                 continue
             if live.calls:
                 results = [ran.get((i, id(c))) or ToolRunner.refused(c, limit) for c in live.calls]
-                self._after_tools(live, results, tool_reasons[i])
+                self._after_tools(live, results)
             else:
                 self._after_reply(live)
             if live.termination is None:
@@ -211,10 +222,10 @@ class EpisodeRunner:
                 live.calls = []  # no turn left to read the results: do not run them
                 return live.finish("max_turns")
 
-    def _after_tools(self, live: _Live, results: list[ToolResult], reasons: dict[str, int]) -> None:
+    def _after_tools(self, live: _Live, results: list[ToolResult]) -> None:
         for r in results:
             live.valid_tool_calls += int(r.ok)
-            reasons[r.reason] = reasons.get(r.reason, 0) + 1
+            live.tool_reasons[r.reason] = live.tool_reasons.get(r.reason, 0) + 1
         live.feedback = Feedback(
             0.0,
             False,
