@@ -27,14 +27,14 @@ class Continuation:
     plus every token generated so far (the engine never sees a restart), its own seed, and at most the tokens
     left of `max_new_tokens`."""
 
-    sid: str                        # "<group id>#<j>": the sample's id in every round it lives through
-    index: int                      # j: which of the group's samples
+    sid: str  # "<group id>#<j>": the sample's id in every round it lives through
+    index: int  # j: which of the group's samples
     seed: int | None
     prompt_ids: list[int]
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish: str | None = None       # stop | length once finished
+    finish: str | None = None  # stop | length once finished
     matched: int | str | None = None
     chunks: int = 0
 
@@ -110,7 +110,7 @@ class EpisodePart:
 
     @property
     def out(self) -> list[int]:
-        return self.live.ids[self.live.prompt_len:]
+        return self.live.ids[self.live.prompt_len :]
 
     @property
     def policy_versions(self) -> list[int]:
@@ -145,7 +145,11 @@ class EpisodePart:
         live.turn_spans = [(int(a), int(b)) for a, b in st["turn_spans"]]
         live.turn_rewards, live.tool_reasons = list(st["turn_rewards"]), dict(st["tool_reasons"])
         live.tool_calls, live.valid_tool_calls = int(st["tool_calls"]), int(st["valid_tool_calls"])
-        live.termination, live.reward, live.correct = st["termination"], float(st["reward"]), bool(st["correct"])
+        live.termination, live.reward, live.correct = (
+            st["termination"],
+            float(st["reward"]),
+            bool(st["correct"]),
+        )
         return cls(st["sid"], int(st["index"]), st["seed"], live)
 
 
@@ -153,11 +157,11 @@ class EpisodePart:
 class Group:
     """One prompt's `samples_per_prompt` samples; it trains once every sample has finished."""
 
-    gid: str                        # unique per issued prompt (the same prompt drawn again gets a new id)
-    prompt: Any                     # trainer.prompts.Prompt / trainer.episodes.EpisodePrompt
+    gid: str  # unique per issued prompt (the same prompt drawn again gets a new id)
+    prompt: Any  # trainer.prompts.Prompt / trainer.episodes.EpisodePrompt
     seed: int
-    born: int                       # the round it was issued in
-    parts: list                     # Continuation | EpisodePart
+    born: int  # the round it was issued in
+    parts: list  # Continuation | EpisodePart
 
     @property
     def complete(self) -> bool:
@@ -171,21 +175,34 @@ class Group:
         return [p.sample(self.gid, tokenizer) for p in self.parts]
 
     def state(self) -> dict[str, Any]:
-        return {"gid": self.gid, "prompt_id": self.prompt.prompt_id, "seed": self.seed, "born": self.born,
-                "episodes": isinstance(self.parts[0], EpisodePart), "parts": [p.state() for p in self.parts]}
+        return {
+            "gid": self.gid,
+            "prompt_id": self.prompt.prompt_id,
+            "seed": self.seed,
+            "born": self.born,
+            "episodes": isinstance(self.parts[0], EpisodePart),
+            "parts": [p.state() for p in self.parts],
+        }
 
     @classmethod
     def from_state(cls, st: dict[str, Any], lookup: Any) -> Group:
         prompt = lookup(st["prompt_id"])
         unit = EpisodePart if st["episodes"] else Continuation
-        return cls(st["gid"], prompt, int(st["seed"]), int(st["born"]),
-                   [unit.from_state(p, prompt) for p in st["parts"]])
+        return cls(
+            st["gid"],
+            prompt,
+            int(st["seed"]),
+            int(st["born"]),
+            [unit.from_state(p, prompt) for p in st["parts"]],
+        )
 
 
 def new_group(gid: str, prompt: Any, seed: int, born: int, G: int, runner: Any = None) -> Group:
     """A freshly issued prompt: G continuations, or (with an episode runner) G episodes before their first turn."""
     if runner is None:
-        parts = [Continuation(f"{gid}#{j}", j, sample_seed(seed, j), list(prompt.prompt_ids)) for j in range(G)]
+        parts = [
+            Continuation(f"{gid}#{j}", j, sample_seed(seed, j), list(prompt.prompt_ids)) for j in range(G)
+        ]
     else:
         lives = runner.start([prompt.record], G)
         for j, lv in enumerate(lives):

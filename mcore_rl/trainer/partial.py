@@ -42,13 +42,19 @@ class PartialSchedule:
     the engine's memory) are the wrapped schedule's. `depth` includes `max_age`: the old-logit sources keep the
     versions a carried token may still need."""
 
-    def __init__(self, inner: Schedule, cfg: PartialRolloutConfig, run_dir: Path | None, restart: bool) -> None:
+    def __init__(
+        self, inner: Schedule, cfg: PartialRolloutConfig, run_dir: Path | None, restart: bool
+    ) -> None:
         if inner.depth > 0:
-            raise ConfigError(f"partial_rollout.enabled=true needs algorithm.schedule sync or staged, not "
-                              f"{inner.name!r} (async rounds are generated ahead; carried samples are not)")
+            raise ConfigError(
+                f"partial_rollout.enabled=true needs algorithm.schedule sync or staged, not "
+                f"{inner.name!r} (async rounds are generated ahead; carried samples are not)"
+            )
         if inner.ctx.algorithm.dynamic_sampling:
-            raise ConfigError("partial_rollout.enabled=true and algorithm.dynamic_sampling=true: choose one "
-                              "(both decide which groups a round trains on)")
+            raise ConfigError(
+                "partial_rollout.enabled=true and algorithm.dynamic_sampling=true: choose one "
+                "(both decide which groups a round trains on)"
+            )
         self.inner, self.cfg, self.restart = inner, cfg, restart
         self.depth = inner.depth + cfg.max_age
         self.carried: list[Group] = []
@@ -78,8 +84,11 @@ class PartialSchedule:
         ):  # at least one chunk: what is in flight generates while the finished groups wait to train
             if not self._chunk(todo, version):
                 self.inner.engine.abort(None)
-                log.warning("stop requested during generation: round %d aborted (%d groups carried)", rnd,
-                            len(self.carried))
+                log.warning(
+                    "stop requested during generation: round %d aborted (%d groups carried)",
+                    rnd,
+                    len(self.carried),
+                )
                 return None
             chunks += 1
         batch = [g for g in self.carried if g.complete][:need]
@@ -118,7 +127,11 @@ class PartialSchedule:
         if self.runner is not None:
             return self._episode_chunk(groups, version)
         t = self.inner.trainer
-        sp = {"temperature": t.temperature, "top_p": t.top_p, "stop_token_ids": self.inner.data.stop_token_ids}
+        sp = {
+            "temperature": t.temperature,
+            "top_p": t.top_p,
+            "stop_token_ids": self.inner.data.stop_token_ids,
+        }
         todo = [(p, self._cap(g, version)) for g in groups for p in g.parts if not p.finished]
         futures = self.inner.engine.submit([p.request(cap, t.max_new_tokens, sp) for p, cap in todo])
         if not self.inner._wait(futures):
@@ -157,7 +170,9 @@ class PartialSchedule:
     def _metrics(self, batch: list[Group], samples: list, version: int, rnd: int, chunks: int,
                  restarted: int) -> dict[str, float]:  # fmt: skip
         ages = [g.age(version) for g in batch for _ in g.parts]
-        stale = sum(v < version for s in samples for v, m in zip(s.weight_versions, _mask(s), strict=True) if m)
+        stale = sum(
+            v < version for s in samples for v, m in zip(s.weight_versions, _mask(s), strict=True) if m
+        )
         unfinished = [p for g in self.carried for p in g.parts if not p.finished]
         return {
             "partial/carried_groups": float(len(self.carried)),
@@ -184,7 +199,9 @@ class PartialSchedule:
     # ---- the loop's other questions -----------------------------------------------------------------------
     def finished_samples(self) -> list:
         """Finished, not yet trained samples (old_logit_model scores them at their version)."""
-        return [p.sample(g.gid, self.inner.data.tokenizer) for g in self.carried for p in g.parts if p.finished]
+        return [
+            p.sample(g.gid, self.inner.data.tokenizer) for g in self.carried for p in g.parts if p.finished
+        ]
 
     def extra(self, num_prompts: int, salt: int) -> Generated | None:
         raise RuntimeError("partial rollouts do not draw extra prompts (dynamic sampling is refused)")
@@ -209,8 +226,11 @@ class PartialSchedule:
         self.spare = [lookup(pid) for pid in state["spare"]]
         self.carried = [Group.from_state(g, lookup) for g in state["carried"]]
         if self.carried:
-            log.warning("resumed %d carried group(s) (%d unfinished samples)", len(self.carried),
-                        sum(not p.finished for g in self.carried for p in g.parts))
+            log.warning(
+                "resumed %d carried group(s) (%d unfinished samples)",
+                len(self.carried),
+                sum(not p.finished for g in self.carried for p in g.parts),
+            )
 
 
 class _Record:
