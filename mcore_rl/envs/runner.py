@@ -156,7 +156,22 @@ class EpisodeRunner:
             raise
 
     # ---- one turn ----------------------------------------------------------------------------------------
+    def advance_in_waves(
+        self, lives: Sequence[_Live], samplings: Sequence[SamplingParams], pause: Callable[[_Live], bool]
+    ) -> None:
+        """Like `advance` (episode i samples with `samplings[i]`), but in waves: the next turn of every live
+        episode goes to the engine in ONE call and the wave waits for all of them, so the engine's batches do not
+        depend on timing and a seeded run (and its resume) generates the same tokens."""
+        active = [i for i, live in enumerate(lives) if live.termination is None]
+        while active:
+            futures = self.engine.submit([self._request(lives[i], samplings[i]) for i in active])
+            self._advance([(i, f.result()) for i, f in zip(active, futures, strict=True)], lives)
+            active = [i for i in active if lives[i].termination is None and not pause(lives[i])]
+
     def _submit(self, live: _Live, sampling: SamplingParams) -> Future:
+        return self.engine.submit([self._request(live, sampling)])[0]
+
+    def _request(self, live: _Live, sampling: SamplingParams) -> GenerationRequest:
         budget = self.cfg.max_total_tokens - len(live.ids)
         seed = _turn_seed(sampling.seed, live.episode)
         sp = SamplingParams(
@@ -170,10 +185,9 @@ class EpisodeRunner:
         live.episode.turn += 1
         # routing_key: every turn of an episode to the same server where a router allows it (sglang-router's
         # manual policy), so the episode's prefix is found in that server's cache
-        req = GenerationRequest(
+        return GenerationRequest(
             list(live.ids), sp, rid=f"{live.rid}/t{live.episode.turn}", metadata={"routing_key": live.rid}
         )
-        return self.engine.submit([req])[0]
 
     def _advance(self, finished: list[tuple[int, Sample]], lives: Sequence[_Live]) -> None:
         """Append each finished turn, run all their tool calls in one pool batch, then ask the environment."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ class PartialSchedule:
     def next_round(self, num_updates: int) -> Generated | None:
         t, version, rnd = self.inner.trainer, self.inner.state.version, self.inner.state.round + 1
         need = num_updates * t.prompts_per_update
-        issued = self._top_up(math.ceil(self.cfg.over_issue * need), rnd)
+        self._top_up(math.ceil(self.cfg.over_issue * need), rnd)
         restarted = sum(p.restart() for g in self.carried for p in g.parts if self._restarts(p, version))
         chunks = 0
         while (todo := [g for g in self.carried if not g.complete]) and (
@@ -96,14 +96,14 @@ class PartialSchedule:
         self.carried = [g for g in self.carried if id(g) not in chosen]
         samples = [s for g in batch for s in g.samples(self.inner.data.tokenizer)]
         metrics = self._metrics(batch, samples, version, rnd, chunks, restarted)
-        self._log(rnd, issued, batch)
+        self._log(rnd, batch)
         return Generated(rnd, [g.prompt for g in batch], samples, metrics)
 
     def _restarts(self, part: Any, version: int) -> bool:
         return (self.restart and isinstance(part, Continuation) and not part.finished
                 and any(v < version for v in part.versions))  # fmt: skip
 
-    def _top_up(self, want: int, rnd: int) -> list[str]:
+    def _top_up(self, want: int, rnd: int) -> None:
         """Fresh groups until the pool holds `want` (the data cursor moves by whole batches; the rest waits)."""
         n = max(0, want - len(self.carried))
         per = self.inner.trainer.prompts_per_update
@@ -111,16 +111,15 @@ class PartialSchedule:
             self.spare += self.inner.data.next_prompts(-(-(n - len(self.spare)) // per) * per)
         fresh, self.spare = self.spare[:n], self.spare[n:]
         base = (self.inner.ctx.seed * 1_000_003 + rnd) * 10_007
-        G, out = self.inner.trainer.samples_per_prompt, []
+        G = self.inner.trainer.samples_per_prompt
         for i, prompt in enumerate(fresh):
-            g = new_group(f"g{self.issued}", prompt, base + i, rnd, G, self.runner)
+            self.carried.append(new_group(f"g{self.issued}", prompt, base + i, rnd, G, self.runner))
             self.issued += 1
-            self.carried.append(g)
-            out.append(g.gid)
-        return out
 
     def _cap(self, g: Group, version: int) -> int:
-        return 0 if g.age(version) >= self.cfg.max_age else self.cfg.chunk_tokens
+        """No cap for a group `max_age` versions (or rounds: a restarted sample has no old tokens) old."""
+        old = max(g.age(version), self.inner.state.round + 1 - g.born) >= self.cfg.max_age
+        return 0 if old else self.cfg.chunk_tokens
 
     def _chunk(self, groups: list[Group], version: int) -> bool:
         """One chunk for every unfinished sample of `groups`; False when a stop was requested (nothing kept)."""
@@ -141,29 +140,35 @@ class PartialSchedule:
         return True
 
     def _episode_chunk(self, groups: list[Group], version: int) -> bool:
-        """Each group's unfinished episodes advance in a pool thread (the engine batches their turns); an episode
-        pauses at the first turn boundary after `chunk_tokens` policy tokens this chunk."""
+        """The unfinished episodes advance in waves of turns (one engine call per wave: deterministic batches); an
+        episode pauses at the first turn boundary after `chunk_tokens` policy tokens in this chunk."""
         t = self.inner.trainer
-        saved = [(p, p.state()) for g in groups for p in g.parts if not p.finished]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="partial")
-        futures: list[Future] = []
+        parts, samplings, start, cap = [], [], {}, {}
         for g in groups:
-            parts = [p for p in g.parts if not p.finished]
-            start = {id(p.live): p.policy_tokens for p in parts}
-            cap = self._cap(g, version)
-            pause = None if cap == 0 else (lambda lv, s=start, c=cap: sum(lv.mask) - s[id(lv)] >= c)
-            sampling = SamplingParams(temperature=t.temperature, top_p=t.top_p, seed=g.seed,
-                                      stop_token_ids=list(self.inner.data.stop_token_ids))  # fmt: skip
-            futures.append(self._pool.submit(self.runner.advance, [p.live for p in parts], sampling, pause))
-        if not self.inner._wait(futures):
+            sp = SamplingParams(temperature=t.temperature, top_p=t.top_p, seed=g.seed,
+                                stop_token_ids=list(self.inner.data.stop_token_ids))  # fmt: skip
+            for p in g.parts:
+                if not p.finished:
+                    parts.append(p)
+                    samplings.append(sp)
+                    start[id(p.live)], cap[id(p.live)] = p.policy_tokens, self._cap(g, version)
+        saved = [p.state() for p in parts]
+
+        def pause(lv: Any) -> bool:
+            return cap[id(lv)] > 0 and sum(lv.mask) - start[id(lv)] >= cap[id(lv)]
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="partial")
+        future = self._pool.submit(self.runner.advance_in_waves, [p.live for p in parts], samplings, pause)
+        if not self.inner._wait([future]):
             self.inner.engine.abort(None)
-            wait(futures, timeout=120)
-            for p, st in saved:  # aborted turns ended episodes as "abort": put back what the chunk began with
+            wait([future], timeout=120)
+            for p, st in zip(
+                parts, saved, strict=True
+            ):  # aborted turns ended episodes: restore the chunk's start
                 p.live = EpisodePart.from_state(st, _Record(p.live.episode.record)).live
             return False
-        for f in futures:
-            f.result()
+        future.result()
         return True
 
     # ---- what a round reports -----------------------------------------------------------------------------
@@ -186,13 +191,18 @@ class PartialSchedule:
             "partial/restarted_tokens": float(restarted),
         }
 
-    def _log(self, rnd: int, issued: list[str], batch: list[Group]) -> None:
+    def _log(self, rnd: int, batch: list[Group]) -> None:
         if self.log_path is None:
             return
-        rec = {"round": rnd, "issued": issued, "trained": [p.sid for g in batch for p in g.parts],
-               "trained_born": [g.born for g in batch for _ in g.parts],
-               "trained_prompts": [g.prompt.prompt_id for g in batch],
-               "carried": [p.sid for g in self.carried for p in g.parts]}  # fmt: skip
+        issued = sorted((g for g in batch + self.carried if g.born == rnd), key=lambda g: int(g.gid[1:]))
+        rec = {
+            "round": rnd,
+            "issued": [g.gid for g in issued],  # from the groups: also right after a stop aborted this round
+            "trained": [p.sid for g in batch for p in g.parts],
+            "trained_born": [g.born for g in batch for _ in g.parts],
+            "trained_prompts": [g.prompt.prompt_id for g in batch],
+            "carried": [p.sid for g in self.carried for p in g.parts],
+        }
         with open(self.log_path, "a") as f:  # a resumed run appends: the last record of a round counts
             f.write(json.dumps(rec) + "\n")
 

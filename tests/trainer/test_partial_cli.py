@@ -150,9 +150,10 @@ CALC = ["env=calculator", "env.name=test_graded_calc", "env.tool_format=test_has
 def test_calculator_episodes_carried_across_rounds(tmp_path):
     """Episodes pause at a turn boundary once they produced chunk_tokens policy tokens in a chunk: with 8-token
     turns and chunk_tokens=8, every chunk is one model turn, so an episode of two or more turns that is not in
-    the batch by then is carried with its finished turns (tool results included) and continues next round."""
+    the batch by then is carried with its finished turns (tool results included) and continues next round.
+    Under the staged schedule: its memory hooks around training are the wrapped schedule's."""
     proc = run(tmp_path / "run", *CALC, *PARTIAL[:1], "partial_rollout.chunk_tokens=8", "partial_rollout.over_issue=2",
-               "trainer.steps=4", plugins=True)  # fmt: skip
+               "schedule=staged", "algorithm.updates_per_stage=1", "trainer.steps=4", plugins=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = list(last_per(tmp_path / "run" / "metrics.jsonl", "step").values())
     trained, carried = check_ids(last_per(tmp_path / "run" / "partial.jsonl", "round"), 4)
@@ -175,3 +176,35 @@ def test_bad_partial_settings_are_one_line_config_errors(tmp_path, bad, why):
     proc = run(tmp_path / "run", *SEVENS, "partial_rollout.enabled=true", *bad, "trainer.steps=1")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert why in proc.stderr
+
+
+@pytest.mark.faults
+@pytest.mark.slow  # three CLI runs, ~100 s
+def test_calculator_sigkill_resumes_carried_episodes_exactly(tmp_path):
+    """Episodes run in waves of turns (one engine call each), so a seeded episode run is deterministic: a kill
+    right after the step-2 checkpoint and a resume continue the carried episodes (paused between turns, tool
+    results and environment state included) and reproduce every loss and every id."""
+    args = [*CALC, "partial_rollout.enabled=true", "partial_rollout.chunk_tokens=8", "trainer.steps=4",
+            "trainer.save_every=2", "trainer.deterministic=true", "optim.lr=1e-3"]  # fmt: skip
+    ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
+    proc = run(ref_dir, *args, plugins=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run(kill_dir, *args, env={"MCORE_RL_CRASH_AT": "after_latest:2"}, plugins=True)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    proc = run(kill_dir, *args, plugins=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "carried group(s)" in proc.stderr
+    ref, res = last_per(ref_dir / "metrics.jsonl", "step"), last_per(kill_dir / "metrics.jsonl", "step")
+    assert sorted(ref) == sorted(res) == [1, 2, 3, 4]
+    diffs = [abs(res[s]["loss"] - ref[s]["loss"]) for s in ref]
+    print(f"calculator resume: max |loss diff| = {max(diffs):.3g}; losses {[ref[s]['loss'] for s in ref]}")
+    assert max(diffs) == 0.0 and len({ref[s]["loss"] for s in ref}) > 2, diffs
+    assert [res[s]["partial/carried_tokens"] for s in res] == [ref[s]["partial/carried_tokens"] for s in ref]
+    assert ref[2]["partial/carried_samples"] > 0  # episodes were carried across the kill
+    ref_ids, res_ids = (
+        last_per(ref_dir / "partial.jsonl", "round"),
+        last_per(kill_dir / "partial.jsonl", "round"),
+    )
+    assert res_ids == ref_ids
+    trained, carried = check_ids(res_ids, 4)
+    assert 2 * carried >= trained
