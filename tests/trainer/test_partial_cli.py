@@ -208,3 +208,35 @@ def test_calculator_sigkill_resumes_carried_episodes_exactly(tmp_path):
     assert res_ids == ref_ids
     trained, carried = check_ids(res_ids, 4)
     assert 2 * carried >= trained
+
+
+@pytest.mark.slow  # a long round, stopped, then resumed: ~90 s
+def test_stop_signal_inside_a_round_keeps_every_carried_sample(tmp_path):
+    """USR1 (Slurm preemption) while round 2 generates: the chunk in flight is aborted and leaves no trace, the
+    checkpoint holds the pool as it was before the chunk (carried groups and the prompts issued for round 2), and
+    the resumed run trains every issued sample exactly once."""
+    import signal
+    import time
+
+    args = ["model=tiny", "trainer.steps=3", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
+            "trainer.max_new_tokens=1200", "eval.num_prompts=0", "trainer.save_every=0", "trainer.export_hf=false",
+            "logging.progress=false", "logging.plot=false", "partial_rollout.enabled=true",
+            "partial_rollout.chunk_tokens=0"]  # fmt: skip
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-m", "mcore_rl.train", *args, f"run.dir={tmp_path}"], env=e, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 400
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # round 2 is generating
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stop requested during generation: round 2 aborted (4 groups carried)" in err
+    assert len(metrics.read_text().splitlines()) == 1 and (tmp_path / "PREEMPTED").exists()
+    done = run(tmp_path, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed 4 carried group(s)" in done.stderr
+    trained, _ = check_ids(last_per(tmp_path / "partial.jsonl", "round"), 3)
+    assert trained == 3 * 4
