@@ -133,11 +133,8 @@ class EpisodeRunner:
                 lives.append(_Live(Episode(rec, j, messages), rid, ids, len(ids)))
         return lives
 
-    def advance(
-        self, lives: Sequence[_Live], sampling: SamplingParams, pause: Callable[[_Live], bool] | None = None
-    ) -> None:
-        """Run every unfinished episode of `lives` until it terminates, or (partial rollouts) until `pause(live)`
-        says so at a turn boundary: a paused episode is left ready for its next turn, a later call continues it."""
+    def advance(self, lives: Sequence[_Live], sampling: SamplingParams) -> None:
+        """Run every unfinished episode of `lives` until it terminates."""
         pending: dict[Future, int] = {}
         for i, live in enumerate(lives):
             if live.termination is None:
@@ -148,7 +145,7 @@ class EpisodeRunner:
                 finished = sorted((pending.pop(f), f.result()) for f in done)
                 self._advance(finished, lives)
                 for i, _ in finished:
-                    if lives[i].termination is None and not (pause is not None and pause(lives[i])):
+                    if lives[i].termination is None:
                         pending[self._submit(lives[i], sampling)] = i
         except BaseException:
             for i in pending.values():  # an environment or tool error: leave no turn decoding for nobody
@@ -161,11 +158,17 @@ class EpisodeRunner:
     ) -> None:
         """Like `advance` (episode i samples with `samplings[i]`), but in waves: the next turn of every live
         episode goes to the engine in ONE call and the wave waits for all of them, so the engine's batches do not
-        depend on timing and a seeded run (and its resume) generates the same tokens."""
+        depend on timing and a seeded run (and its resume) generates the same tokens. An episode for which
+        `pause(live)` is true after a wave is left ready for its next turn (partial rollouts continue it later)."""
         active = [i for i, live in enumerate(lives) if live.termination is None]
         while active:
             futures = self.engine.submit([self._request(lives[i], samplings[i]) for i in active])
-            self._advance([(i, f.result()) for i, f in zip(active, futures, strict=True)], lives)
+            try:
+                self._advance([(i, f.result()) for i, f in zip(active, futures, strict=True)], lives)
+            except BaseException:
+                for i in active:  # leave no turn of this wave decoding for nobody
+                    self.engine.abort(f"{lives[i].rid}/t{lives[i].episode.turn}")
+                raise
             active = [i for i in active if lives[i].termination is None and not pause(lives[i])]
 
     def _submit(self, live: _Live, sampling: SamplingParams) -> Future:
