@@ -27,6 +27,7 @@ from mcore_rl.config.logs import LoggingConfig
 from mcore_rl.config.model import Fp8Config, LoadCheckConfig, ModelConfig, MoeConfig
 from mcore_rl.config.optim import OptimSettings
 from mcore_rl.config.parallel import ParallelConfig
+from mcore_rl.config.partial import PartialRolloutConfig
 from mcore_rl.config.rollout import LocalRolloutConfig, SGLangLauncherSettings, SGLangRolloutConfig
 from mcore_rl.config.run import RunConfig
 from mcore_rl.config.trainer import TrainerConfig
@@ -48,6 +49,7 @@ class MainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    partial_rollout: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)  # carried samples
     rollout: Any = None     # LocalRolloutConfig | SGLangRolloutConfig: /schema/rollout/<engine> (rollout yaml)
     algorithm: Any = None   # the algorithm's registered config dataclass: /schema/algorithm/<name>
     data: Any = None        # validated by data/registry.py against the kind's dataclass
@@ -151,6 +153,6 @@ def validate(cfg: DictConfig) -> None:
 
 __all__ = [
     "ConfigError", "EvalConfig", "Fp8Config", "LoadCheckConfig", "LocalRolloutConfig", "LoggingConfig", "MainConfig",
-    "ModelConfig", "MoeConfig", "load_config", "OptimSettings", "ParallelConfig", "RunConfig", "SGLangLauncherSettings",
+    "ModelConfig", "MoeConfig", "load_config", "OptimSettings", "ParallelConfig", "PartialRolloutConfig", "RunConfig", "SGLangLauncherSettings",
     "SGLangRolloutConfig", "TrainerConfig", "register_configs", "rollout_schema", "validate",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
@@ -38,6 +38,7 @@ class _Live:
     turn_rewards: list[float] = field(default_factory=list)
     tool_calls: int = 0
     valid_tool_calls: int = 0
+    tool_reasons: dict[str, int] = field(default_factory=dict)  # tool results by outcome (ok, timeout, ...)
     calls: list[ToolCall] = field(default_factory=list)  # this turn's calls, waiting for the pool
     feedback: Feedback | None = None
     termination: str | None = None
@@ -64,7 +65,7 @@ class _Live:
     def finish(self, termination: str) -> None:
         self.termination = termination
 
-    def trajectory(self, tool_reasons: dict[str, int]) -> Trajectory:
+    def trajectory(self) -> Trajectory:
         ep = self.episode
         return Trajectory(
             prompt_id=ep.record.prompt_id,
@@ -85,7 +86,7 @@ class _Live:
             metadata={
                 "rid": self.rid,
                 "attempts": ep.attempts,
-                "tool_results": dict(tool_reasons),
+                "tool_results": dict(self.tool_reasons),
                 **ep.state,
             },
         )
@@ -112,6 +113,12 @@ class EpisodeRunner:
     ) -> list[Trajectory]:
         """One trajectory per (record, sample), record-major. `sampling` sets temperature / top-p / top-k / seed;
         max_new_tokens per turn is the env's, shrunk to the episode's remaining token budget."""
+        lives = self.start(records, samples_per_prompt)
+        self.advance(lives, sampling)
+        return [live.trajectory() for live in lives]
+
+    def start(self, records: Sequence[PromptRecord], samples_per_prompt: int = 1) -> list[_Live]:
+        """The episodes of `records` before their first turn (record-major), each with its first prompt."""
         lives = []
         for rec in records:
             for j in range(samples_per_prompt):
@@ -124,15 +131,19 @@ class EpisodeRunner:
                     )
                 rid = f"{rec.prompt_id}#{j}-{next(_rid_counter)}"
                 lives.append(_Live(Episode(rec, j, messages), rid, ids, len(ids)))
-        tool_reasons: list[dict[str, int]] = [{} for _ in lives]
+        return lives
+
+    def advance(self, lives: Sequence[_Live], sampling: SamplingParams) -> None:
+        """Run every unfinished episode of `lives` until it terminates."""
         pending: dict[Future, int] = {}
         for i, live in enumerate(lives):
-            pending[self._submit(live, sampling)] = i
+            if live.termination is None:
+                pending[self._submit(live, sampling)] = i
         try:
             while pending:
                 done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                 finished = sorted((pending.pop(f), f.result()) for f in done)
-                self._advance(finished, lives, tool_reasons)
+                self._advance(finished, lives)
                 for i, _ in finished:
                     if lives[i].termination is None:
                         pending[self._submit(lives[i], sampling)] = i
@@ -140,10 +151,30 @@ class EpisodeRunner:
             for i in pending.values():  # an environment or tool error: leave no turn decoding for nobody
                 self.engine.abort(f"{lives[i].rid}/t{lives[i].episode.turn}")
             raise
-        return [live.trajectory(tool_reasons[i]) for i, live in enumerate(lives)]
 
     # ---- one turn ----------------------------------------------------------------------------------------
+    def advance_in_waves(
+        self, lives: Sequence[_Live], samplings: Sequence[SamplingParams], pause: Callable[[_Live], bool]
+    ) -> None:
+        """Like `advance` (episode i samples with `samplings[i]`), but in waves: the next turn of every live
+        episode goes to the engine in ONE call and the wave waits for all of them, so the engine's batches do not
+        depend on timing and a seeded run (and its resume) generates the same tokens. An episode for which
+        `pause(live)` is true after a wave is left ready for its next turn (partial rollouts continue it later)."""
+        active = [i for i, live in enumerate(lives) if live.termination is None]
+        while active:
+            futures = self.engine.submit([self._request(lives[i], samplings[i]) for i in active])
+            try:
+                self._advance([(i, f.result()) for i, f in zip(active, futures, strict=True)], lives)
+            except BaseException:
+                for i in active:  # leave no turn of this wave decoding for nobody
+                    self.engine.abort(f"{lives[i].rid}/t{lives[i].episode.turn}")
+                raise
+            active = [i for i in active if lives[i].termination is None and not pause(lives[i])]
+
     def _submit(self, live: _Live, sampling: SamplingParams) -> Future:
+        return self.engine.submit([self._request(live, sampling)])[0]
+
+    def _request(self, live: _Live, sampling: SamplingParams) -> GenerationRequest:
         budget = self.cfg.max_total_tokens - len(live.ids)
         seed = _turn_seed(sampling.seed, live.episode)
         sp = SamplingParams(
@@ -157,14 +188,11 @@ class EpisodeRunner:
         live.episode.turn += 1
         # routing_key: every turn of an episode to the same server where a router allows it (sglang-router's
         # manual policy), so the episode's prefix is found in that server's cache
-        req = GenerationRequest(
+        return GenerationRequest(
             list(live.ids), sp, rid=f"{live.rid}/t{live.episode.turn}", metadata={"routing_key": live.rid}
         )
-        return self.engine.submit([req])[0]
 
-    def _advance(
-        self, finished: list[tuple[int, Sample]], lives: list[_Live], tool_reasons: list[dict[str, int]]
-    ) -> None:
+    def _advance(self, finished: list[tuple[int, Sample]], lives: Sequence[_Live]) -> None:
         """Append each finished turn, run all their tool calls in one pool batch, then ask the environment."""
         for i, sample in finished:
             self._close_turn(lives[i], sample)
@@ -183,7 +211,7 @@ class EpisodeRunner:
                 continue
             if live.calls:
                 results = [ran.get((i, id(c))) or ToolRunner.refused(c, limit) for c in live.calls]
-                self._after_tools(live, results, tool_reasons[i])
+                self._after_tools(live, results)
             else:
                 self._after_reply(live)
             if live.termination is None:
@@ -211,10 +239,10 @@ class EpisodeRunner:
                 live.calls = []  # no turn left to read the results: do not run them
                 return live.finish("max_turns")
 
-    def _after_tools(self, live: _Live, results: list[ToolResult], reasons: dict[str, int]) -> None:
+    def _after_tools(self, live: _Live, results: list[ToolResult]) -> None:
         for r in results:
             live.valid_tool_calls += int(r.ok)
-            reasons[r.reason] = reasons.get(r.reason, 0) + 1
+            live.tool_reasons[r.reason] = live.tool_reasons.get(r.reason, 0) + 1
         live.feedback = Feedback(
             0.0,
             False,

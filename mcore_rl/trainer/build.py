@@ -173,6 +173,12 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
     ctx = ScheduleContext(cfg.algorithm, cfg.trainer, cfg.seed, deterministic, state, stop, p.engine, data,
                           episodes=p.episodes)  # fmt: skip
     schedule = sched_cls(ctx)
+    if cfg.partial_rollout.enabled:  # over-issued rounds, unfinished samples carried (trainer/partial.py)
+        from mcore_rl.oldlogp.registry import SOURCES
+        from mcore_rl.trainer.partial import PartialSchedule
+
+        restart = SOURCES.get(cfg.algorithm.old_logp_source).needs_interrupt
+        schedule = PartialSchedule(schedule, cfg.partial_rollout, lay.run_dir if lay.rank == 0 else None, restart)
     oldlogp = _oldlogp_source(cfg, model_dir, dtype, p.policy, p.engine, schedule.depth)
     c = _assemble(cfg, lay, model_dir, algorithm, schedule, oldlogp, p, stop, runlog)
     c.checkpointer.restore(state)
@@ -225,7 +231,7 @@ def _round_parts(
     passes = int(algorithm.needs_old_logp) + int(p.ref is not None) + int(p.ewma is not None)
     rounds = Rounds(schedule, lay.rank, t.samples_per_prompt, t.prompts_per_update, cfg.algorithm, data=p.data,
                     reward_fn=p.reward_fn, compute=p.compute, engine=p.engine, scoring_passes=passes,
-                    episodes=cfg.env is not None)  # fmt: skip
+                    episodes=cfg.env is not None, mask_stale=cfg.partial_rollout.enabled and cfg.partial_rollout.mask_stale)  # fmt: skip
     prompts_log = PromptsLog(lay.run_dir / "prompts.jsonl", enabled=lay.rank == 0)
     guard = NonFiniteGuard(max_consecutive=t.max_nonfinite_skips)
     learner = Learner(p.policy, algorithm, oldlogp, guard, t.temperature, lay.dp, lay.dp_rank, prompts_log,

@@ -47,13 +47,15 @@ class Rounds:
 
     def __init__(self, schedule: Schedule, rank: int, samples_per_prompt: int, prompts_per_update: int,
                  algorithm_config: Any, data: Any = None, reward_fn: Any = None, compute: Any = None,
-                 engine: Any = None, scoring_passes: int = 0, episodes: bool = False) -> None:
+                 engine: Any = None, scoring_passes: int = 0, episodes: bool = False,
+                 mask_stale: bool = False) -> None:
         self.schedule, self.rank, self.G, self.per_update = schedule, rank, samples_per_prompt, prompts_per_update
         self.dynamic_sampling = algorithm_config.dynamic_sampling
         self.max_sampling_rounds = algorithm_config.max_sampling_rounds
         self.data, self.reward_fn, self.compute, self.engine = data, reward_fn, compute, engine
         self.scoring_passes = scoring_passes  # trainer forwards per sample besides the update (compute meter)
         self.episodes = episodes  # samples are environment episodes: rewards and episode metrics come with them
+        self.mask_stale = mask_stale  # partial rollouts: tokens of an earlier version leave the loss
 
     def next(self, num_updates: int, state: RunState) -> Round | None:
         """The next round on every rank; None when a stop signal (Slurm preemption) arrived during generation:
@@ -72,8 +74,10 @@ class Rounds:
         samples = payload["samples"]
         rb = build_rollout_batch(samples, payload["rewards"], payload["correct"],
                                  [i // self.G for i in range(len(samples))], pad_id=0)
-        return Round(rb, self._metrics(rb, payload["metrics"], state.version),
-                     [p.prompt_id for p in payload["prompts"]])
+        metrics = self._metrics(rb, payload["metrics"], state.version)
+        if self.mask_stale:
+            metrics["partial/masked_stale_tokens"] = float(mask_stale_tokens(rb, state.version))
+        return Round(rb, metrics, [p.prompt_id for p in payload["prompts"]])
 
     def _metrics(self, rb: RolloutBatch, rank0: dict[str, float] | None, version: int) -> dict[str, float]:
         lengths = rb.response_len
@@ -142,6 +146,14 @@ class Rounds:
                 (varied if _varies(g) else flat).append(g)
         chosen = varied[:want]
         return chosen + flat[:want - len(chosen)], float(draws)
+
+
+def mask_stale_tokens(rb: RolloutBatch, version: int) -> int:
+    """`partial_rollout.mask_stale`: policy tokens generated before `version` (a carried sample's earlier rounds)
+    get loss-mask 0 in place; every other entry of the mask is left as it was. Returns how many were masked."""
+    stale = (rb.loss_mask > 0) & (rb.versions >= 0) & (rb.versions < version)
+    rb.loss_mask[stale] = 0.0
+    return int(stale.sum().item())
 
 
 class PromptsLog:
