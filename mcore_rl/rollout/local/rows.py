@@ -90,6 +90,12 @@ def finish_check(row: Row, token: int, tokenizer) -> None:
         row.finish = "length"
 
 
+def tokens_left(row: Row) -> int:
+    """Decode steps this row may still take: what the KV cache reserves room for when it is admitted."""
+    room = row.max_len - len(row.req.prompt_ids)
+    return max(min(row.req.sampling.max_new_tokens, room) - len(row.out), 1)
+
+
 def to_sample(row: Row, tokenizer, return_text: bool) -> Sample:
     """The protocol's Sample for a finished (or aborted) row; text is cut before a matched stop string."""
     text = None
