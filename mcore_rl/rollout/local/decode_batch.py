@@ -46,7 +46,7 @@ class DecodeBatch:
         self.model, self.num_layers, self.pad_id, self.device = model, num_layers, pad_id, device
         self.rows: list[Any] = []
         self.cache: KVCache | None = None
-        self.mask: torch.Tensor | None = None  # [B, L] bool view of _mask_buf: cache columns each row attends to
+        self.mask: torch.Tensor | None = None  # [B, L] bool view of _mask_buf: columns each row attends to
         self._mask_buf: torch.Tensor | None = None  # [B, capacity] bool, columns >= L not yet written
         self.pos: torch.Tensor | None = None  # [B] position id of `last`
         self.last: torch.Tensor | None = None  # [B] last sampled token, fed at the next decode step
@@ -101,7 +101,9 @@ class DecodeBatch:
             return
         width = max(self.mask.shape[1], part.mask.shape[1])
         self.cache = KVCache.merge(self.cache, part.cache, reserve)
-        self._set_mask(torch.cat([_left_pad(self.mask, width), _left_pad(part.mask, width)]), self.cache.capacity)
+        self._set_mask(
+            torch.cat([_left_pad(self.mask, width), _left_pad(part.mask, width)]), self.cache.capacity
+        )
         self.pos = torch.cat([self.pos, part.next_pos])
         self.last = torch.cat([self.last, first_tokens])
         self.rows = self.rows + list(rows)

@@ -274,8 +274,16 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ rows (rules in rows.py)
     def _make_row(self, req: GenerationRequest, j: int) -> Row:
-        return make_row(req, j, eos=self._eos, max_len=self._max_len, vocab=self._vocab,
-                        has_tokenizer=self.tokenizer is not None, seed_rng=self._seed_rng, model_path=self.model_path)
+        return make_row(
+            req,
+            j,
+            eos=self._eos,
+            max_len=self._max_len,
+            vocab=self._vocab,
+            has_tokenizer=self.tokenizer is not None,
+            seed_rng=self._seed_rng,
+            model_path=self.model_path,
+        )
 
     def _to_sample(self, row: Row) -> Sample:
         return to_sample(row, self.tokenizer, self.return_text)

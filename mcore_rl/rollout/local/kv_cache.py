@@ -30,7 +30,9 @@ class GrowingLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, n, d = key_states.shape
         self._kbuf = key_states.new_zeros(b, h, n + self._reserve, d)
-        self._vbuf = value_states.new_zeros(b, value_states.shape[1], n + self._reserve, value_states.shape[-1])
+        self._vbuf = value_states.new_zeros(
+            b, value_states.shape[1], n + self._reserve, value_states.shape[-1]
+        )
         self._len = 0
         self.is_initialized = True
 

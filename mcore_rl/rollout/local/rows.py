@@ -71,7 +71,9 @@ def make_row(
     seed = seed if seed is not None else seed_rng.getrandbits(63)
     gen = torch.Generator().manual_seed(seed)
     stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
-    return Row(req=req, index=j, future=Future(), generator=gen, seed=seed, stop_ids=stop_ids, max_len=max_len)
+    return Row(
+        req=req, index=j, future=Future(), generator=gen, seed=seed, stop_ids=stop_ids, max_len=max_len
+    )
 
 
 def finish_check(row: Row, token: int, tokenizer) -> None:
