@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mcore_rl.rollout.local.kv_cache import KVCache
+from mcore_rl.rollout.local.lm_head import LastLogits
 
 
 @dataclass
@@ -44,6 +45,7 @@ def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[in
 class DecodeBatch:
     def __init__(self, model: torch.nn.Module, num_layers: int, pad_id: int, device: torch.device) -> None:
         self.model, self.num_layers, self.pad_id, self.device = model, num_layers, pad_id, device
+        self.last_logits = LastLogits(model)
         self.rows: list[Any] = []
         self.cache: KVCache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] bool view of _mask_buf: columns each row attends to
@@ -76,14 +78,13 @@ class DecodeBatch:
             mask[i, width - len(p) :] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = KVCache(self.num_layers, reserve)
-        logits = self.model(
+        logits = self.last_logits(
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.long().cumsum(-1) - 1).clamp_(min=0),
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        )
         if len(unique) < len(prompts):  # shared prefixes: every sample of a prompt gets a copy of its KV
             idx = torch.tensor(inverse, device=self.device)
             cache.select(idx)
@@ -115,13 +116,13 @@ class DecodeBatch:
             self._set_mask(self.mask, 2 * width)
         self._mask_buf[:, width] = True
         self.mask = self._mask_buf[:, : width + 1]
-        return self.model(
+        return self.last_logits(
             input_ids=self.last.unsqueeze(1),
             attention_mask=self.mask,
             position_ids=self.pos.unsqueeze(1),
             past_key_values=self.cache,
             use_cache=True,
-        ).logits[:, -1]
+        )
 
     def advance(self, tokens: torch.Tensor) -> None:
         self.last, self.pos = tokens, self.pos + 1
