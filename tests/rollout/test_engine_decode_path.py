@@ -69,6 +69,24 @@ def test_decode_writes_in_place_into_reserved_buffers(tiny_model):
             assert [int(t[row]) for t in tokens[:6]] == ids[len(prompt) :]
 
 
+def test_decode_grows_past_a_small_reserve(tiny_model):
+    """Reserve 2 columns, decode 12 steps: buffers grow by doubling and greedy stays a plain forward's greedy."""
+    batch = DecodeBatch(tiny_model, tiny_model.config.num_hidden_layers, 0, torch.device("cpu"))
+    with torch.inference_mode():
+        logits, part = batch.prefill([PROMPT], reserve=2)
+        tokens = [int(logits.argmax())]
+        batch.add(["a"], part, logits.argmax(-1), reserve=2)
+        assert batch.cache.capacity == len(PROMPT) + 2
+        for _ in range(12):
+            tokens.append(int(batch.decode().argmax()))
+            batch.advance(torch.tensor([tokens[-1]]))
+        assert batch.cache.capacity >= len(PROMPT) + 12 and batch._mask_buf.shape[1] >= len(PROMPT) + 13
+        ids = list(PROMPT)
+        for _ in range(13):
+            ids.append(int(tiny_model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert tokens == ids[len(PROMPT) :]
+
+
 @pytest.mark.parametrize("rows", [1, 8, 16, 17, 64])
 def test_cpu_lm_head_equals_the_plain_product(rows):
     gen = torch.Generator().manual_seed(rows)

@@ -24,7 +24,7 @@ import torch
 
 from mcore_rl.dtypes import SHORT_OR_LONG, long_name
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
-from mcore_rl.rollout.local.kv_cache import check_full_attention
+from mcore_rl.rollout.local.kv_cache import MAX_RESERVE, check_full_attention
 from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample, tokens_left
 from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
 from mcore_rl.rollout.local.weights import load_named_tensors
@@ -349,7 +349,7 @@ class LocalEngine:
             stats.kv_lengths.append(batch.mask.shape[1])
         if admit:
             t0, c0 = time.perf_counter(), time.process_time()
-            reserve = max(map(tokens_left, itertools.chain(admit, batch.rows)))
+            reserve = min(max(map(tokens_left, itertools.chain(admit, batch.rows))), MAX_RESERVE)
             logits, part = batch.prefill([r.req.prompt_ids for r in admit], reserve)
             batch.add(admit, part, self._sample(admit, logits), reserve)
             stats.prefill_s += time.perf_counter() - t0

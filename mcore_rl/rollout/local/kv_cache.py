@@ -2,8 +2,8 @@
 
 Why not HF's DynamicCache as is: it re-concatenates the whole cache every decode step (a full copy per token),
 and it cannot drop left-padding columns or merge two batches. Here each layer keeps a buffer preallocated for the
-prompt plus the longest `max_new_tokens` admitted (`reserve`), so a decode step is one small write and never a
-reallocation (it still grows by doubling if a merge outgrows it); finished rows are index-selected away,
+prompt plus the longest `max_new_tokens` admitted (`reserve`, at most MAX_RESERVE), so a decode step is one small write and never a
+reallocation (past the reservation it grows by doubling); finished rows are index-selected away,
 all-padding columns on the left are cropped (a view, no copy), rows sharing a prompt are expanded from one
 prefill (`select` with repeated indices), and newly admitted rows are merged in (continuous batching).
 """
@@ -14,6 +14,9 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 _HEADROOM = 64
+# columns reserved at admission at most: a batch of long-budget requests (max_new_tokens in the thousands) whose
+# samples mostly stop early must not allocate the whole budget for every row up front; past this it doubles
+MAX_RESERVE = 256
 
 
 class GrowingLayer(DynamicLayer):
