@@ -127,14 +127,15 @@ def bench_dtype(args, path: str, dtype: str, mm: Rate, bw: Rate, device: torch.d
         run_hf(model, prompts[:2], 1, 4, args.temperature, eos, True)  # warm-up, not timed
         run_engine(engine, prompts[:2], 1, 4, args.temperature, True)
         for workload in args.workloads.split(","):
-            measure_workload(args, engine, prompts, eos, workload, dtype)
-            report(dtype, workload, DecodeCost.of(model), *measure_workload.last, mm, bw, device)
+            decode, best = measure_workload(args, engine, prompts, eos, workload, dtype)
+            report(dtype, workload, DecodeCost.of(model), decode, best, mm, bw, device)
     finally:
         engine.close()
 
 
-def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str) -> None:
-    """Alternate HF and engine runs; keep the best end-to-end rates and the engine's fastest decode."""
+def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str) -> tuple[tuple, dict]:
+    """Alternate HF and engine runs. Returns the engine's fastest decode (tok/s, tok/CPU-s, its steps as
+    (rows, kv_len)) and the best end-to-end (tok/s, tok/CPU-s) of each side."""
     fixed, model, device = workload == "fixed", engine.model, engine.device
     hf_args = (model, prompts, args.n, args.new_tokens, args.temperature, eos, fixed)
     en_args = (engine, prompts, args.n, args.new_tokens, args.temperature, fixed)
@@ -156,7 +157,7 @@ def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str)
         best["engine"] = max(best["engine"][0], en_n / en_dt), max(best["engine"][1], en_n / en_dc)
         if d_tok / d_s > decode[0]:
             decode = (d_tok / d_s, d_tok / max(d_cpu, 1e-9), steps)
-    measure_workload.last = (decode, best)
+    return decode, best
 
 
 def report(dtype, workload, cost, decode, best, mm: Rate, bw: Rate, device) -> None:
