@@ -5,7 +5,8 @@
 #   2. benchmarks/policy_step.py: Megatron fwd+bwd MFU for a ~0.5B Llama shape in bf16 (the roofline is the best
 #      torch.mm rate on this GPU, measured in the same run),
 #   3. benchmarks/rollout_engine.py: the embedded engine's decode tokens/s against transformers.generate on a
-#      SmolLM2-135M-shaped model (random weights: the speed does not depend on them; --ignore-eos).
+#      SmolLM2-135M-shaped model (random weights: the speed does not depend on them), 16 prompts x 4 samples,
+#      against the decode roofline (matmul rate, bandwidth) measured in the same run.
 # Logs go to $OUT (default ./gpu_checks_out). Usage: bash scripts/gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,6 @@ tok.save_pretrained(out)
 print(out)
 EOF
 )
-for dtype in bfloat16 float32; do
-  timeout "${ENGINE_TIMEOUT:-120}" $PY benchmarks/rollout_engine.py --model-path "$ENGINE_DIR" --prompts 64 \
-    --new-tokens 128 --ignore-eos --repeats 2 --dtype $dtype 2>&1 | tee -a "$OUT/rollout_engine.log"
-done
+timeout "${ENGINE_TIMEOUT:-150}" $PY benchmarks/rollout_engine.py --model-path "$ENGINE_DIR" --device cuda \
+  --dtypes bfloat16,float32 --workloads fixed,eos --prompts 16 --n 4 --new-tokens 128 --repeats 2 2>&1 \
+  | tee "$OUT/rollout_engine.log"

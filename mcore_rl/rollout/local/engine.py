@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -23,8 +24,8 @@ import torch
 
 from mcore_rl.dtypes import SHORT_OR_LONG, long_name
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
-from mcore_rl.rollout.local.kv_cache import check_full_attention
-from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample
+from mcore_rl.rollout.local.kv_cache import MAX_RESERVE, check_full_attention
+from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample, tokens_left
 from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
 from mcore_rl.rollout.local.weights import load_named_tensors
 from mcore_rl.rollout.protocol import (
@@ -55,11 +56,19 @@ def resolve_device(device: str) -> torch.device:
 
 @dataclass
 class EngineStats:
+    """Counters and timings of the worker, so a run (or benchmarks/rollout_engine.py) can set what the engine
+    achieved against the roofline of the batches it actually ran."""
+
     steps: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through the model (a prompt shared by n samples counts once)
     decode_tokens: int = 0
     batch_sizes: deque = field(default_factory=lambda: deque(maxlen=100_000))  # rows per decode step
+    kv_lengths: deque = field(default_factory=lambda: deque(maxlen=100_000))  # cache columns read per step
     regenerated: int = 0  # samples restarted from their prompt by a weight update (interrupt mode)
+    decode_s: float = 0.0  # wall-clock of decode steps (forward + sampling; the token read-back syncs a GPU)
+    decode_cpu_s: float = 0.0  # process CPU time over the same steps (steadier on a shared machine)
+    prefill_s: float = 0.0
+    prefill_cpu_s: float = 0.0
 
 
 @register_engine("local")
@@ -265,8 +274,16 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ rows (rules in rows.py)
     def _make_row(self, req: GenerationRequest, j: int) -> Row:
-        return make_row(req, j, eos=self._eos, max_len=self._max_len, vocab=self._vocab,
-                        has_tokenizer=self.tokenizer is not None, seed_rng=self._seed_rng, model_path=self.model_path)
+        return make_row(
+            req,
+            j,
+            eos=self._eos,
+            max_len=self._max_len,
+            vocab=self._vocab,
+            has_tokenizer=self.tokenizer is not None,
+            seed_rng=self._seed_rng,
+            model_path=self.model_path,
+        )
 
     def _to_sample(self, row: Row) -> Sample:
         return to_sample(row, self.tokenizer, self.return_text)
@@ -320,16 +337,24 @@ class LocalEngine:
     def _step(self, admit: list[Row]) -> None:
         self._retire()  # aborted rows leave before paying for another step
         batch = self._batch
+        stats = self.stats
         if batch.rows and not self._paused:
-            b = len(batch)
+            b, t0, c0 = len(batch), time.perf_counter(), time.process_time()
             batch.advance(self._sample(batch.rows, batch.decode()))
-            self.stats.steps += 1
-            self.stats.decode_tokens += b
-            self.stats.batch_sizes.append(b)
+            stats.decode_s += time.perf_counter() - t0
+            stats.decode_cpu_s += time.process_time() - c0
+            stats.steps += 1
+            stats.decode_tokens += b
+            stats.batch_sizes.append(b)
+            stats.kv_lengths.append(batch.mask.shape[1])
         if admit:
-            logits, part = batch.prefill([r.req.prompt_ids for r in admit])
-            batch.add(admit, part, self._sample(admit, logits))
-            self.stats.prefill_tokens += sum(len(r.req.prompt_ids) for r in admit)
+            t0, c0 = time.perf_counter(), time.process_time()
+            reserve = min(max(map(tokens_left, itertools.chain(admit, batch.rows))), MAX_RESERVE)
+            logits, part = batch.prefill([r.req.prompt_ids for r in admit], reserve)
+            batch.add(admit, part, self._sample(admit, logits), reserve)
+            stats.prefill_s += time.perf_counter() - t0
+            stats.prefill_cpu_s += time.process_time() - c0
+            stats.prefill_tokens += part.computed_tokens
         self._retire()
 
     def _sample(self, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:

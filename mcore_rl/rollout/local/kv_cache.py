@@ -1,9 +1,11 @@
 """A batch-editable KV cache for the in-process engine.
 
 Why not HF's DynamicCache as is: it re-concatenates the whole cache every decode step (a full copy per token),
-and it cannot drop left-padding columns or merge two batches. Here each layer keeps a preallocated buffer that
-grows by doubling (one small write per step), finished rows are index-selected away, all-padding columns on the
-left are cropped (a view, no copy), and newly admitted rows are merged in (continuous batching).
+and it cannot drop left-padding columns or merge two batches. Here each layer keeps a buffer preallocated for the
+prompt plus the longest `max_new_tokens` admitted (`reserve`, at most MAX_RESERVE), so a decode step is one small write and never a
+reallocation (past the reservation it grows by doubling); finished rows are index-selected away,
+all-padding columns on the left are cropped (a view, no copy), rows sharing a prompt are expanded from one
+prefill (`select` with repeated indices), and newly admitted rows are merged in (continuous batching).
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 _HEADROOM = 64
+# columns reserved at admission at most: a batch of long-budget requests (max_new_tokens in the thousands) whose
+# samples mostly stop early must not allocate the whole budget for every row up front; past this it doubles
+MAX_RESERVE = 256
 
 
 class GrowingLayer(DynamicLayer):
     """One layer's K/V in buffers of shape [batch, kv_heads, capacity, head_dim]; the first `length` columns live."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = _HEADROOM) -> None:
         super().__init__()
+        self._reserve = max(int(reserve), 1)
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
         self._len = 0
@@ -26,8 +32,10 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, n, d = key_states.shape
-        self._kbuf = key_states.new_zeros(b, h, n + _HEADROOM, d)
-        self._vbuf = value_states.new_zeros(b, value_states.shape[1], n + _HEADROOM, value_states.shape[-1])
+        self._kbuf = key_states.new_zeros(b, h, n + self._reserve, d)
+        self._vbuf = value_states.new_zeros(
+            b, value_states.shape[1], n + self._reserve, value_states.shape[-1]
+        )
         self._len = 0
         self.is_initialized = True
 
@@ -88,8 +96,8 @@ class GrowingLayer(DynamicLayer):
 class KVCache(Cache):
     """HF `Cache` of GrowingLayers with batch surgery: select rows, crop left padding, merge batches."""
 
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[GrowingLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, reserve: int = _HEADROOM) -> None:
+        super().__init__(layers=[GrowingLayer(reserve) for _ in range(num_layers)])
 
     @property
     def seq_length(self) -> int:
@@ -103,14 +111,20 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.crop_left(n)
 
+    @property
+    def capacity(self) -> int:
+        """Columns the buffers hold before the next reallocation."""
+        layer = self.layers[0]
+        return layer._kbuf.shape[2] if layer.is_initialized else 0
+
     @staticmethod
-    def merge(a: KVCache, b: KVCache) -> KVCache:
+    def merge(a: KVCache, b: KVCache, reserve: int = _HEADROOM) -> KVCache:
         """Rows of `a` then rows of `b`, both left-padded (zeros, masked by the caller) to the longer length."""
         length = max(a.seq_length, b.seq_length)
-        out = KVCache(len(a.layers))
+        out = KVCache(len(a.layers), reserve)
         for la, lb, lo in zip(a.layers, b.layers, out.layers):
-            ka, va = la.padded_left(length, length + _HEADROOM)
-            kb, vb = lb.padded_left(length, length + _HEADROOM)
+            ka, va = la.padded_left(length, length + max(reserve, 1))
+            kb, vb = lb.padded_left(length, length + max(reserve, 1))
             lo.dtype, lo.device, lo.is_initialized = ka.dtype, ka.device, True
             lo._kbuf, lo._vbuf, lo._len = torch.cat([ka, kb]), torch.cat([va, vb]), length
             lo._refresh()

@@ -71,7 +71,9 @@ def make_row(
     seed = seed if seed is not None else seed_rng.getrandbits(63)
     gen = torch.Generator().manual_seed(seed)
     stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
-    return Row(req=req, index=j, future=Future(), generator=gen, seed=seed, stop_ids=stop_ids, max_len=max_len)
+    return Row(
+        req=req, index=j, future=Future(), generator=gen, seed=seed, stop_ids=stop_ids, max_len=max_len
+    )
 
 
 def finish_check(row: Row, token: int, tokenizer) -> None:
@@ -88,6 +90,12 @@ def finish_check(row: Row, token: int, tokenizer) -> None:
         len(row.out) >= sp.max_new_tokens or len(row.req.prompt_ids) + len(row.out) >= row.max_len
     ):
         row.finish = "length"
+
+
+def tokens_left(row: Row) -> int:
+    """Decode steps this row may still take: what the KV cache reserves room for when it is admitted."""
+    room = row.max_len - len(row.req.prompt_ids)
+    return max(min(row.req.sampling.max_new_tokens, room) - len(row.out), 1)
 
 
 def to_sample(row: Row, tokenizer, return_text: bool) -> Sample:
