@@ -77,9 +77,9 @@ def _two_updates(name: str, tmp_path: Path, launcher: list[str], *extra: str) ->
     return recs
 
 
-# ~90-190 s each on a loaded 2-core machine; their TP=1 exactness is in tests/convert, their sync in
+# ~90-110 s each on a loaded 2-core machine; their TP=1 exactness is in tests/convert, their sync in
 # test_sync_families.py
-SLOW = {"llama-bias-gelu", "qwen2-moe-dense", "linear", "qwen3-moe-dense", "qwen2-window"}
+SLOW = {"llama-bias-gelu", "qwen2-moe-dense", "linear", "qwen3-moe-dense"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in FAMILIES])
