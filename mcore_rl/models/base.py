@@ -84,6 +84,7 @@ class ModelArgs:
     rope: RopeArgs = field(default_factory=RopeArgs)  # rotary type and parameters (frequencies, attention factor)
     moe: MoeArgs | None = None  # Mixture-of-Experts MLPs (None = dense)
     sliding_window: int | None = None  # attend to the last `sliding_window` tokens only (None = full causal)
+    window_layers: tuple[int, ...] | None = None  # the windowed layers when only some are (None = all of them)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
 

@@ -7,8 +7,10 @@ carry the *global* expert index; under expert parallelism each rank holds a cont
 (policy/hf_weights.py translates). HF checkpoint side: `mlp.gate.weight` and `mlp.experts.<e>.{gate,up,down}_proj`.
 
 Router math: HF takes softmax over all experts, picks the top-k, and with `norm_topk_prob` renormalises them; that is
-exactly Megatron's softmax over the top-k logits (`moe_router_pre_softmax=False`). Without `norm_topk_prob` HF keeps
-the raw top-k probabilities: Megatron's `moe_router_pre_softmax=True`.
+the same function as Megatron's softmax over the top-k logits (`moe_router_pre_softmax=False`). Without
+`norm_topk_prob` HF keeps the raw top-k probabilities: Megatron's `moe_router_pre_softmax=True`. The operation
+order differs (and Megatron scales by the routing weight before `linear_fc2`), which costs a few ulp per block and
+<= 1.1e-6 in the tests' logits: docs/models.md, "Why the MoE logits are exact".
 """
 
 from __future__ import annotations

@@ -38,10 +38,14 @@ class SdpaAttention(_base()):  # type: ignore[misc]
             raise ValueError("SdpaAttention: context parallelism needs Transformer Engine attention")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError("SdpaAttention: only vanilla softmax is supported")
+        from megatron.core.transformer.utils import is_layer_window_attention
+
         window = getattr(config, "window_size", None)
         if window is not None and (window[1] != 0 or window[0] < 0):
             raise ValueError(f"SdpaAttention: window_size={window} (only (left >= 0, 0): causal sliding window)")
-        self.window_left = None if window is None else window[0]
+        # per layer, as Megatron's and TE's attentions decide it (window_attn_skip_freq; layer_number is global)
+        windowed = is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number)
+        self.window_left = window[0] if windowed else None
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         tp = pg_collection.tp.size()

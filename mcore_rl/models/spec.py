@@ -12,6 +12,7 @@ from mcore_rl.dtypes import SHORT, torch_dtype
 from mcore_rl.models.activations import ACTIVATIONS
 from mcore_rl.models.base import ModelArgs
 from mcore_rl.models.rope import softmax_scale
+from mcore_rl.models.windows import window_skip_list
 
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -117,6 +118,7 @@ def transformer_config_kwargs(a: ModelArgs, build: BuildConfig) -> dict:
         softmax_scale=softmax_scale(a.rope, a.head_dim),  # YaRN's attention factor (models/rope.py)
         # HF's window w: keys i - w < j <= i, i.e. w - 1 to the left (Megatron/TE's (left, right) convention)
         window_size=(a.sliding_window - 1, 0) if a.sliding_window else None,
+        window_attn_skip_freq=window_skip_list(a.num_layers, a.window_layers),  # per-layer windows (Qwen2/3)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=build.init_std,

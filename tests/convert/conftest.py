@@ -55,7 +55,7 @@ def save_random_model(folder: Path, config, seed: int = 0, dtype: torch.dtype = 
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and transformers >= 5's fused expert stacks [E, out, in]
                 p.mul_(3.0)
             elif name.endswith("bias"):
                 p.copy_(0.5 * torch.randn_like(p))

@@ -66,8 +66,9 @@ REFUSED = [  # (architecture, field, value, words in the one-line message)
     ("LlamaForCausalLM", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5,
                                              "rope_theta": 1e4}, "partial_rotary_factor"),
     ("MistralForCausalLM", "sliding_window", 0, "positive"),
-    ("Qwen2ForCausalLM", "use_sliding_window", True, "use_sliding_window=True"),
-    ("Qwen3ForCausalLM", "layer_types", ["sliding_attention"] * 4, "full_attention only"),
+    ("Qwen3MoeForCausalLM", "use_sliding_window", True, "only False"),  # MoE layers: Megatron's local attention
+    ("Qwen2ForCausalLM", "max_window_layers", -1, "non-negative"),
+    ("Qwen3ForCausalLM", "layer_types", ["chunked_attention"] * 4, "not implemented"),
     ("Qwen3ForCausalLM", "attn_logit_softcapping", 30.0, "unknown"),
     ("Qwen3MoeForCausalLM", "decoder_sparse_step", 0, "positive integer"),
     ("Qwen3MoeForCausalLM", "mlp_only_layers", [0, 99], "[99] are not layers"),

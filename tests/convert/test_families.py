@@ -1,6 +1,6 @@
 """The families people post-train, at tiny size, from transformers' own config classes: Llama 3.x RoPE (llama3
 frequency bands), linear and YaRN RoPE scaling (incl. YaRN's attention factor), Mistral with and without a sliding
-window, Llama with biases and GELU. Each converts HF -> Megatron, gives transformers' logits (max |diff| <= 1e-5, fp32) on a short prompt and
+window, Qwen2 / Qwen3 with per-layer sliding windows, Llama with biases and GELU. Each converts HF -> Megatron, gives transformers' logits (max |diff| <= 1e-5, fp32) on a short prompt and
 on a 1100-token one (positions far beyond `original_max_position_embeddings`=256 and beyond the window), and comes
 back bit-exact."""
 
@@ -70,9 +70,27 @@ def llama_bias_gelu_config():
                        max_position_embeddings=2048, rope_parameters=dict(rope_type="default", rope_theta=1e4))
 
 
+def qwen2_window_config():
+    """Qwen2.5 with `use_sliding_window`: layer 0 full (max_window_layers=1), layer 1 within a 64-token window."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_SHAPE, max_position_embeddings=2048, use_sliding_window=True, sliding_window=64,
+                       max_window_layers=1)
+
+
+def qwen3_layer_types_config():
+    """Qwen3 with explicit `layer_types`: layer 0 within a 64-token window, layer 1 full (the reverse of Qwen2's
+    max_window_layers order, so the per-layer list is what is read)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_SHAPE, head_dim=32, max_position_embeddings=2048, use_sliding_window=True,
+                       sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+
+
 CONFIGS = {"llama3": llama3_config, "linear": linear_config, "qwen3-yarn": qwen3_yarn_config,
            "qwen2-yarn-mscale": qwen2_yarn_mscale_config, "mistral": mistral_config,
-           "mistral-window": lambda: mistral_config(64), "llama-bias-gelu": llama_bias_gelu_config}
+           "mistral-window": lambda: mistral_config(64), "llama-bias-gelu": llama_bias_gelu_config,
+           "qwen2-window": qwen2_window_config, "qwen3-layer-types": qwen3_layer_types_config}
 NAMES = list(CONFIGS)
 
 
@@ -134,4 +152,20 @@ def test_rope_scaling_changes_the_long_logits(converted, tmp_path):
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     (plain / "config.json").write_text(json.dumps(cfg))
     proc = run_cli("verify", "--hf", plain, "--ckpt", ckpt, "--tokens", LONG, "--tol", TOL, rc=1)
+    assert max_logit_diff(proc) > 1e-2
+
+
+def test_per_layer_windows_matter(converted, tmp_path):
+    """Qwen2's window sits on layer 1 only: the same weights with the window on every layer (a Mistral-style
+    uniform window) differ from transformers' logits on the long prompt, so the per-layer list is really read."""
+    import json
+    import shutil
+
+    hf, ckpt = converted("qwen2-window")
+    uniform = tmp_path / "uniform"
+    shutil.copytree(hf, uniform)
+    cfg = json.loads((uniform / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention"] * 2
+    (uniform / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli("verify", "--hf", uniform, "--ckpt", ckpt, "--tokens", LONG, "--tol", TOL, rc=1)
     assert max_logit_diff(proc) > 1e-2

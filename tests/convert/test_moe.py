@@ -48,8 +48,8 @@ def test_tp2ep2_conversion_verifies(moe_dir, tmp_path):
     """Written by TP=2 x EP=2 ranks (4 processes), read back at PP=2 x EP=2."""
     out = tmp_path / "ckpt"
     run_cli("hf-to-mcore", "--hf", moe_dir, "--out", out, "--tp", 2, "--ep", 2)
-    proc = run_cli("verify", "--hf", moe_dir, "--ckpt", out, "--pp", 2, "--ep", 2, "--tol", "1e-4")
-    assert max_logit_diff(proc) < 1e-4
+    proc = run_cli("verify", "--hf", moe_dir, "--ckpt", out, "--pp", 2, "--ep", 2, "--tol", "1e-5")
+    assert max_logit_diff(proc) <= 1e-5
 
 
 def test_checkpoint_records_expert_layout(moe_ckpt):
@@ -61,9 +61,10 @@ def test_checkpoint_records_expert_layout(moe_ckpt):
 @pytest.mark.parametrize("layout", VERIFY)
 def test_moe_logits_match_transformers(moe_dir, moe_ckpt, layout):
     tp, pp, ep = layout
+    tokens = 1100 if layout == (1, 1, 1) else 48  # the long prompt once, at TP=1 (the slow layouts: the short one)
     proc = run_cli("verify", "--hf", moe_dir, "--ckpt", moe_ckpt, "--tp", tp, "--pp", pp, "--ep", ep,
-                   "--tol", "1e-4")
-    assert max_logit_diff(proc) < 1e-4
+                   "--tokens", tokens, "--tol", "1e-5")
+    assert max_logit_diff(proc) <= 1e-5
     assert "argmax_agree=1.000" in proc.stdout and " OK" in proc.stdout
 
 

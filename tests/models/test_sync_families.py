@@ -19,6 +19,9 @@ CASES = [
     pytest.param("qwen3-yarn", 2, 1, id="yarn-tp2", marks=pytest.mark.slow),
     pytest.param("mistral-window", 1, 2, id="window-pp2", marks=pytest.mark.slow),
     pytest.param("qwen2-moe-dense", 1, 2, id="qwen2moe-pp2", marks=pytest.mark.slow),
+    pytest.param("qwen2-window", 1, 2, id="qwen2-window-pp2", marks=pytest.mark.slow),  # global layer numbers
+    pytest.param("qwen3-moe-dense", 1, 2, id="qwen3moe-pp2", marks=pytest.mark.slow),
+    pytest.param("llama3", 2, 1, id="llama3-tp2", marks=pytest.mark.slow),
 ]
 
 

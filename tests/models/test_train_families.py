@@ -1,5 +1,5 @@
-"""Two RL updates through `mcore-rl-train model=hf` for the new families (Llama 3.x RoPE, YaRN, Mistral with a
-sliding window), each a tiny random model from transformers' own config class with the SmolLM2 tokenizer. The
+"""Two RL updates through `mcore-rl-train model=hf` for the new families (Llama 3.x / linear RoPE, YaRN, Mistral with
+a sliding window, Qwen2 with a per-layer window, Llama biases + GELU, Qwen2-MoE / Qwen3-MoE with dense layers), each a tiny random model from transformers' own config class with the SmolLM2 tokenizer. The
 contexts are tiny on purpose (original context 32, window 16) so the prompts run past them: the load-time logits
 check, the two gradient steps, and the engine's log-probs after weight sync (step 2 samples with step 1's weights)
 all see the scaled / windowed positions."""
@@ -28,6 +28,12 @@ FAMILIES = {
     "qwen3-yarn": ("qwen3", dict(head_dim=32, max_position_embeddings=128, rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0))),
     "mistral-window": ("mistral", dict(head_dim=16, sliding_window=16)),
+    "linear": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0))),
+    # Qwen2 per-layer window: layer 0 full, layer 1 within 16 tokens (max_window_layers=1)
+    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    # Qwen3-MoE with a dense layer 0 (mlp_only_layers) and normalised top-k probabilities
+    "qwen3-moe-dense": ("qwen3_moe", dict(head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                          num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])),
     "llama-bias-gelu": ("llama", dict(attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")),
     # Qwen2-MoE: gated shared expert, dense layer 0 and MoE layer 1 (decoder_sparse_step=2)
     "qwen2-moe-dense": ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -71,7 +77,9 @@ def _two_updates(name: str, tmp_path: Path, launcher: list[str], *extra: str) ->
     return recs
 
 
-SLOW = {"llama-bias-gelu", "qwen2-moe-dense"}  # ~90-110 s each on a loaded 2-core machine; sync tests cover them
+# ~90-110 s each on a loaded 2-core machine; their TP=1 exactness is in tests/convert, their sync in
+# test_sync_families.py
+SLOW = {"llama-bias-gelu", "qwen2-moe-dense", "linear", "qwen3-moe-dense"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in FAMILIES])

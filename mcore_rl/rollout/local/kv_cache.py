@@ -132,12 +132,14 @@ class KVCache(Cache):
 
 
 def check_full_attention(config) -> None:
-    """The cache above models full attention only; refuse sliding-window / hybrid models clearly."""
+    """The cache above keeps every key, so full attention and sliding windows are exact (transformers' own
+    per-layer masks apply a window by position, tests/models/test_engine_windows.py); other layer types (chunked,
+    linear/hybrid attention) are refused clearly."""
     text_config = config.get_text_config(decoder=True)
     layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other or getattr(text_config, "use_sliding_window", False):
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
         raise NotImplementedError(
-            f"local rollout engine supports full-attention models only; {type(text_config).__name__} has "
-            f"layer types {other or ['sliding_attention']} -- use the sglang engine for it"
+            f"local rollout engine supports full and sliding-window attention only; {type(text_config).__name__} "
+            f"has layer types {other} -- use the sglang engine for it"
         )
