@@ -59,6 +59,33 @@ def test_chunked_equals_unchunked_forward_and_backward(temperature, with_entropy
         assert ent1 is None
 
 
+def test_compiled_chunk_kernels_equal_eager(monkeypatch):
+    """The compiled per-chunk kernels (used for real vocabularies, fp32 too) against the eager ones: 1e-6. They
+    must have run compiled, or fallen back visibly where inductor has no C++ compiler."""
+    from mcore_rl.compat import fused_ops
+    from mcore_rl.policy import chunked_head
+
+    h, w, targets, v, a, b = _head_case(1)
+    out = []
+    for floor in (10**9, 0):  # eager, then compiled (the vocabulary is above the floor)
+        monkeypatch.setattr(chunked_head, "COMPILE_MIN_VOCAB", floor)
+        before = dict(fused_ops.compiled_calls())
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = chunked_head_logprobs(hh, ww, targets, v, 0.8, True, rows=16)
+        ((a * lp).sum() + (b * ent).sum()).backward()
+        ran = {
+            k: fused_ops.compiled_calls().get(k, 0) - before.get(k, 0)
+            for k in ("_chunk_stats", "_chunk_grad")
+        }
+        out.append((lp.detach(), ent.detach(), hh.grad, ww.grad, ran))
+    (lp0, e0, gh0, gw0, ran0), (lp1, e1, gh1, gw1, ran1) = out
+    assert ran0 == {"_chunk_stats": 0, "_chunk_grad": 0}
+    fell_back = fused_ops.fallbacks()
+    assert all(ran1[k] == 3 or k in fell_back for k in ran1), (ran1, fell_back)  # 3 chunks each
+    assert (lp0 - lp1).abs().max().item() <= 1e-6 and (e0 - e1).abs().max().item() <= 1e-6
+    assert _rel(gh0, gh1) <= 1e-6 and _rel(gw0, gw1) <= 1e-6
+
+
 def test_chunk_rows_bound_the_logits_bytes():
     assert chunk_rows(49152) == 32 * 2**20 // (4 * 49152)  # 170 tokens of SmolLM2's vocabulary per chunk
     assert chunk_rows(100) > 1000 and chunk_rows(10**9) == 16
