@@ -110,8 +110,14 @@ def measure(a, name: str, head: str) -> dict:
     policy = Policy(a.folder, PolicyConfig(build=build, token_budget=n_tok))
     policy.load_hf(a.folder)
     args = policy.args
-    tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq), generator=torch.Generator().manual_seed(0))
-    batch = PolicyBatch(tokens, torch.ones_like(tokens, dtype=torch.float32))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq), generator=gen)
+    mask = torch.ones_like(tokens, dtype=torch.float32)
+    if a.ragged:  # RL-like rows: lengths uniform in [seq/4, seq], right padded
+        lengths = torch.randint(a.seq // 4, a.seq + 1, (a.batch,), generator=gen)
+        mask = (torch.arange(a.seq).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    batch = PolicyBatch(tokens, mask)
+    n_real = int(mask.sum())
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     from mcore_rl.policy.step import run_forward_backward
 
@@ -120,7 +126,7 @@ def measure(a, name: str, head: str) -> dict:
         policy.model.train()
         run_forward_backward(policy.model, policy.micro_batches(batch), args.vocab_size,
                              lambda mb, logp, ent: (-(logp * mb.loss_mask).sum() / n_tok, {}),
-                             chunked_head=head == "chunked")
+                             chunked_head=head != "unchunked", packed=head == "packed")
         sync()
 
     fastest: list[float] = []
@@ -128,12 +134,12 @@ def measure(a, name: str, head: str) -> dict:
     peak, step_mb = step_peak_mb(torch, megatron_step, a.device)
     t_o = bench(policy.optimizer.step, max(1, a.iters // 2))
     roof = roofline_gflops(args, tdt, n_tok, a.device)
-    flops = model_flops_per_token(args, a.seq) * n_tok
+    flops = model_flops_per_token(args, a.seq) * n_real  # real tokens only: pad tokens are not useful work
     achieved = flops / t_m / 1e9
     # best-of fraction: the roofline is a best-of, so under load compare it with the fastest step too
-    row = dict(dtype=name, head=head, tok_s=n_tok / t_m, gflops=achieved, roof=roof, frac=achieved / roof,
+    row = dict(dtype=name, head=head, tok_s=n_real / t_m, gflops=achieved, roof=roof, frac=achieved / roof,
                best_frac=flops / fastest[0] / 1e9 / roof, opt=t_o, step_flops=flops, peak_mb=peak, step_mb=step_mb)
-    if not a.no_hf and head == "chunked":
+    if not a.no_hf and head == "chunked" and not a.ragged:
         row.update(hf_step(torch, a, tdt, tokens, n_tok, flops, sync))
     return row
 
@@ -154,7 +160,7 @@ def hf_step(torch, a, tdt, tokens, n_tok: int, flops: float, sync) -> dict:
         sync()
 
     t_h = bench(step, a.iters)
-    return dict(hf_tok_s=n_tok / t_h, hf_gflops=flops / t_h / 1e9)
+    return dict(hf_tok_s=n_tok / t_h, hf_gflops=flops / t_h / 1e9)  # HF: unpadded rows only (no --ragged)
 
 
 def child(a) -> None:
@@ -170,7 +176,8 @@ def child(a) -> None:
 
 def run_child(a, name: str, head: str) -> dict:
     cmd = [sys.executable, __file__, "--child", f"{name}:{head}", "--folder", a.folder, "--batch", str(a.batch),
-           "--seq", str(a.seq), "--iters", str(a.iters), "--device", a.device] + (["--no-hf"] if a.no_hf else [])
+           "--seq", str(a.seq), "--iters", str(a.iters), "--device", a.device] + (["--no-hf"] if a.no_hf else []) + (
+           ["--ragged"] if a.ragged else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode != 0 or not rows:
@@ -208,7 +215,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16, bf16-eager")
-    ap.add_argument("--heads", default="chunked,unchunked", help="comma list of chunked, unchunked")
+    ap.add_argument("--heads", default="chunked,unchunked",
+                    help="comma list of chunked, unchunked (both padded rows), packed (chunked, rows packed)")
+    ap.add_argument("--ragged", action="store_true", help="rows of random lengths (padding), as RL batches")
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda where available")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers side (large models)")
     ap.add_argument("--child", help=argparse.SUPPRESS)

@@ -15,6 +15,7 @@ import torch
 
 from mcore_rl.policy.chunked_head import chunked_head_logprobs
 from mcore_rl.policy.logprobs import vocab_parallel_logprobs
+from mcore_rl.policy.packing import can_pack, pack_rows, row_lengths, scored_rows
 
 
 @dataclass
@@ -98,7 +99,22 @@ def _scatter_scored(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return torch.cat([values.new_zeros(b, 1), full], dim=1)
 
 
-def _head_on_scored_tokens(model_chunk, mb: PolicyBatch, pos: torch.Tensor, chunked: bool):
+def _scored_hidden(model_chunk, gpt, mb: PolicyBatch, pos: torch.Tensor, sel: torch.Tensor, packed: bool):
+    """The final-norm hidden states [n, H] that predict the scored tokens (`sel` [b, L-1]): from the padded
+    micro-batch, or from its rows packed without pad tokens (`packing.py`) where the model allows it."""
+    packed = packed and can_pack(gpt)
+    gpt.post_process = False
+    try:
+        if packed:
+            tokens, ppos, params, offsets = pack_rows(mb.tokens, row_lengths(mb.loss_mask))
+            return scored_rows(model_chunk(tokens, ppos, None, packed_seq_params=params), offsets, sel)
+        hidden = model_chunk(mb.tokens, pos, None)  # [s, b, h] after the final norm
+    finally:
+        gpt.post_process = True
+    return hidden.transpose(0, 1)[:, :-1][sel]
+
+
+def _head_on_scored_tokens(model_chunk, mb: PolicyBatch, pos: torch.Tensor, chunked: bool, packed: bool = False):
     """Run the decoder, then the LM head only where a scored token is predicted.
 
     Prompt positions need no logits; skipping them saves most of the vocab-sized matmul and softmax work
@@ -112,13 +128,8 @@ def _head_on_scored_tokens(model_chunk, mb: PolicyBatch, pos: torch.Tensor, chun
     gpt = unwrap(model_chunk)
     if not gpt.post_process or gpt.config.sequence_parallel:
         return None
-    gpt.post_process = False
-    try:
-        hidden = model_chunk(mb.tokens, pos, None)  # [s, b, h] after the final norm
-    finally:
-        gpt.post_process = True
     sel = mb.loss_mask[:, 1:] > 0
-    h = hidden.transpose(0, 1)[:, :-1][sel]
+    h = _scored_hidden(model_chunk, gpt, mb, pos, sel, packed)
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
     dtype = gpt.output_layer.weight.dtype if weight is None else weight.dtype
     if getattr(gpt, "lm_head_fp32", False) and dtype != torch.float32:
@@ -153,12 +164,14 @@ def run_forward_backward(
     forward_only: bool = False,
     scored_only: bool = True,
     chunked_head: bool = True,
+    packed: bool = False,
 ) -> list[dict]:
     """One pass of Megatron's schedule (1F1B under PP). Returns per-micro-batch outputs on the last stage.
 
     With `loss_fn=None` the pass is forward-only and each output holds {"logp": [b, L]}.
     `scored_only`: log-probs only where `loss_mask` is 1 (zeros elsewhere); the LM head skips other positions.
     `chunked_head`: with `scored_only`, the head and log-softmax run in token chunks (no [tokens, vocab] logits).
+    `packed`: with `scored_only`, each micro-batch's rows run packed without pad tokens where the model allows.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -181,7 +194,7 @@ def run_forward_backward(
             mb.tokens.to(device), mb.loss_mask.to(device), {k: v.to(device) for k, v in mb.extras.items()}
         )
         pos = torch.arange(mb.tokens.shape[1], device=device).unsqueeze(0).expand_as(mb.tokens)
-        fast = _head_on_scored_tokens(model_chunk, mb, pos, chunked_head) if scored_only else None
+        fast = _head_on_scored_tokens(model_chunk, mb, pos, chunked_head, packed) if scored_only else None
         if fast is not None:
             return fast[0], partial(loss_func, mb, fast[1])
         return model_chunk(mb.tokens, pos, None), partial(loss_func, mb, None)
