@@ -3,7 +3,8 @@
 Why: a run's wall-clock alone does not say whether a phase is slow because the machine is slow or because the
 code leaves the hardware idle. The roofline is the `torch.mm` rate of the run's dtype on this machine (the one
 `model.dtype=auto` measured at start-up, else measured at the end, ~0.6 s); the achieved rate is the phase's
-model FLOPs (`evaluation/compute.py`, 2 x params x tokens + attention per forward) over its seconds. Decoding is
+model FLOPs (`evaluation/compute.py`: 2 x non-embedding params x tokens + attention per forward, so the LM head
+is not counted and the fraction is a lower bound) over its seconds. Decoding is
 bound by streaming the weights, not by matmul throughput, so generation's fraction is low by nature; training's
 is the one to compare with `benchmarks/policy_step.py`.
 
@@ -75,7 +76,7 @@ def phase_speeds(run_dir: str | Path, roof_gflops: float | None) -> list[PhaseSp
     if total("sync_gb") > 0 and sync.seconds > 0:
         sync.gb_per_s = total("sync_gb") / sync.seconds
     out.append(sync)
-    return [p for p in out if p.seconds > 0]
+    return [p for p in out if p.seconds >= 0.01]  # phases the run did not have (no old-logp pass) are left out
 
 
 def speed_summary(run_dir: str | Path, dtype: str | None, roof_gflops: float | None) -> tuple[dict, str]:
