@@ -76,7 +76,8 @@ def phase_speeds(run_dir: str | Path, roof_gflops: float | None) -> list[PhaseSp
     if total("sync_gb") > 0 and sync.seconds > 0:
         sync.gb_per_s = total("sync_gb") / sync.seconds
     out.append(sync)
-    return [p for p in out if p.seconds >= 0.01]  # phases the run did not have (no old-logp pass) are left out
+    # phases the run did not have (no old-logp pass) are left out
+    return [p for p in out if p.seconds >= 0.01]
 
 
 def speed_summary(run_dir: str | Path, dtype: str | None, roof_gflops: float | None) -> tuple[dict, str]:
