@@ -5,7 +5,8 @@ with the chunked LM head (`policy/chunked_head.py`) and without it, side by side
         [--dtypes fp32,bf16] [--heads chunked,unchunked] [--device cpu|cuda] [--no-hf]
 
 Each (dtype, head) runs in its own process, so peak memory is that step's alone: on CPU the kernel's RSS
-high-water mark (VmHWM, reset through /proc/self/clear_refs right before one step), on CUDA
+high-water mark (VmHWM, reset through /proc/self/clear_refs right before one step, after `malloc_trim` returned
+the free heap pages, so the rise above the pre-step RSS is the step's own memory), on CUDA
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`. Per row: the roofline (best `torch.mm` rate
 over this model's GEMM shapes at the micro-batch's token count, in the row's dtype), the step's model FLOPs
 (6 x matmul params x tokens + causal attention), the achieved rate of a Megatron fwd+bwd (median over --iters
@@ -87,6 +88,9 @@ def step_peak_mb(torch, step, device: str) -> tuple[float, float]:
         step()
         peak = torch.cuda.max_memory_allocated()
         return peak / 2**20, (peak - before) / 2**20
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages back to the OS: the pre-step RSS is the live set
     before = _status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
