@@ -167,6 +167,42 @@ def hf_step(torch, a, tdt, tokens, n_tok: int, flops: float, sync) -> dict:
     return dict(hf_tok_s=n_tok / t_h, hf_gflops=flops / t_h / 1e9)  # HF: unpadded rows only (no --ragged)
 
 
+def interleaved(a, name: str, heads: list[str]) -> None:
+    """Every head in ONE process, steps alternated (A, B, A, B, ...): on a loaded machine the load drifts between
+    processes, so speed ratios are read from this, peak memory from the per-process rows."""
+    import torch
+
+    from mcore_rl.models.spec import BuildConfig
+    from mcore_rl.policy.policy import Policy, PolicyConfig
+    from mcore_rl.policy.step import PolicyBatch, run_forward_backward
+
+    n_tok = a.batch * a.seq
+    policy = Policy(a.folder, PolicyConfig(build=BuildConfig(dtype=name), token_budget=n_tok))
+    policy.load_hf(a.folder)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, policy.args.vocab_size, (a.batch, a.seq), generator=gen)
+    mask = torch.ones_like(tokens, dtype=torch.float32)
+    if a.ragged:
+        lengths = torch.randint(a.seq // 4, a.seq + 1, (a.batch,), generator=gen)
+        mask = (torch.arange(a.seq).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    batch = PolicyBatch(tokens, mask)
+    times: dict[str, list[float]] = {h: [] for h in heads}
+    for it in range(a.iters + 1):  # the first round warms up (and compiles)
+        for head in heads:
+            policy.model.zero_grad_buffer()
+            t = time.perf_counter()
+            run_forward_backward(policy.model, policy.micro_batches(batch), policy.args.vocab_size,
+                                 lambda mb, logp, ent: (-(logp * mb.loss_mask).sum() / n_tok, {}),
+                                 chunked_head=head != "unchunked", packed=head == "packed")
+            if it:
+                times[head].append(time.perf_counter() - t)
+    med = {h: statistics.median(v) for h, v in times.items()}
+    print(f"interleaved {name}, {a.iters} rounds: " + ", ".join(f"{h} {med[h]:.2f} s/step" for h in heads)
+          + "; step time vs " + heads[0] + ": " + ", ".join(f"{h} {med[h] / med[heads[0]]:.2f}x" for h in heads[1:])
+          + f" (per round {heads[1]}/{heads[0]}: "
+          + ", ".join(f"{times[heads[1]][i] / times[heads[0]][i]:.2f}" for i in range(a.iters)) + ")")
+
+
 def child(a) -> None:
     from mcore_rl.compat.malloc import tune_malloc
 
@@ -175,14 +211,19 @@ def child(a) -> None:
 
     init_distributed(1, 1)
     name, head = a.child.split(":")
+    if head == "interleave":
+        return interleaved(a, name, a.heads.split(","))
     print("ROW " + json.dumps(measure(a, name, head)), flush=True)
 
 
-def run_child(a, name: str, head: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", f"{name}:{head}", "--folder", a.folder, "--batch", str(a.batch),
+def child_cmd(a, name: str, head: str) -> list[str]:
+    return [sys.executable, __file__, "--child", f"{name}:{head}", "--folder", a.folder, "--batch", str(a.batch),
            "--seq", str(a.seq), "--iters", str(a.iters), "--device", a.device] + (["--no-hf"] if a.no_hf else []) + (
-           ["--ragged"] if a.ragged else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           ["--ragged"] if a.ragged else []) + ["--heads", a.heads]
+
+
+def run_child(a, name: str, head: str) -> dict:
+    proc = subprocess.run(child_cmd(a, name, head), capture_output=True, text=True)
     rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode != 0 or not rows:
         raise SystemExit(f"{name}:{head} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -222,6 +263,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--heads", default="chunked,unchunked",
                     help="comma list of chunked, unchunked (both padded rows), packed (chunked, rows packed)")
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths (padding), as RL batches")
+    ap.add_argument("--interleave", action="store_true", help="speed ratio of --heads, alternated in one process")
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda where available")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers side (large models)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -250,6 +292,10 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if a.device == "cuda" else "-"
     print(f"model={a.model} batch={a.batch} seq={a.seq} tokens={a.batch * a.seq} threads={torch.get_num_threads()} "
           f"device={a.device} cpu={cpu!r} gpu={gpu!r} load={os.getloadavg()[0]:.2f}", flush=True)
+    if a.interleave:  # speed ratios only, one process, heads alternated
+        for name in a.dtypes.split(","):
+            print(subprocess.run(child_cmd(a, name, "interleave"), capture_output=True, text=True).stdout.strip())
+        return
     rows = [run_child(a, name, head) for name in a.dtypes.split(",") for head in a.heads.split(",")]
     print_table(rows, a.device)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
