@@ -56,6 +56,7 @@ class ComputeState:
     flops_generate: float = 0.0  # rollout generation
     flops_score: float = 0.0  # extra forward passes: old/ref/proximal log-probs
     tokens_generated: float = 0.0
+    tokens_trained: float = 0.0  # prompt + response tokens of trained sequences (the speed summary's train tok/s)
     wallclock_s: float = 0.0  # cumulative over restarts, held-out evaluation excluded
     eval_s: float = 0.0  # held-out evaluation time (excluded above: it is not training cost)
     cpu_s: float = 0.0  # this process's CPU-seconds (all threads), cumulative, held-out evaluation excluded
@@ -79,6 +80,7 @@ class ComputeMeter:
         self.state.flops_score += score_passes * fwd
         self.state.flops_train += 3.0 * fwd
         self.state.tokens_generated += float(sum(r for _, r in lengths))
+        self.state.tokens_trained += float(sum(p + r for p, r in lengths))
 
     def add_eval_time(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.state.eval_s += seconds
@@ -96,7 +98,7 @@ class ComputeMeter:
         cpu = s.cpu_s + time.process_time() - self._c0
         out = {"flops": s.flops_train + s.flops_generate + s.flops_score, "flops_train": s.flops_train,
                "flops_generate": s.flops_generate, "flops_score": s.flops_score,
-               "tokens_generated": s.tokens_generated, "wallclock_s": wall, "wallclock_total_s": wall + s.eval_s,
+               "tokens_generated": s.tokens_generated, "tokens_trained": s.tokens_trained, "wallclock_s": wall, "wallclock_total_s": wall + s.eval_s,
                "cpu_s": cpu, "cpu_total_s": cpu + s.eval_cpu_s, "loadavg_1m": _loadavg()}
         if self.on_gpu:
             out["gpu_hours"] = wall * self.world_size / 3600.0

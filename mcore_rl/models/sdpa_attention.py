@@ -61,8 +61,10 @@ class SdpaAttention(_base()):  # type: ignore[misc]
                 attn_mask_type=None, attention_bias: Tensor | None = None, packed_seq_params=None) -> Tensor:
         from megatron.core.transformer.enums import AttnMaskType
 
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SdpaAttention: packed sequences / attention bias need Transformer Engine attention")
+        if attention_bias is not None:
+            raise ValueError("SdpaAttention: attention bias needs Transformer Engine attention")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b = query.shape[0], query.shape[1]
         # [s, b, n, d] -> [b, n, s, d]
@@ -80,6 +82,23 @@ class SdpaAttention(_base()):  # type: ignore[misc]
         )
         # [b, n, s, d] -> [s, b, n*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
+        """THD layout (Megatron squeezed the batch dim: [tokens, heads, dim]): causal attention within each
+        sequence of the pack, one SDPA call per sequence, so no pack-sized mask and no cross-sequence work."""
+        if params.qkv_format != "thd" or params.cu_seqlens_q_padded is not None:
+            raise ValueError("SdpaAttention: packed sequences must be 'thd' without per-sequence padding")
+        bounds = params.cu_seqlens_q.tolist()
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, n, len, d]
+            mask = self._window_mask(e - s, e - s, query.device, None) if self.window_left is not None else None
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=mask is None and e - s > 1, scale=self.softmax_scale, enable_gqa=self.groups != self.heads,
+            )
+            outs.append(out.squeeze(0).transpose(0, 1))
+        return torch.cat(outs).reshape(query.shape[0], self.hidden_size_per_partition)
 
     def _window_mask(self, sq: int, sk: int, device, mask: Tensor | None) -> Tensor:
         """Allowed where key j is among the `window_left + 1` latest keys up to query i (queries are the last sq

@@ -25,6 +25,9 @@ class PolicyConfig:
     optim: OptimSettings = field(default_factory=OptimSettings)  # the `optim.*` group's schema dataclass
     decay_steps: int = 1000  # LR schedule length; the trainer passes trainer.steps
     token_budget: int = 4096  # tokens per micro-batch (rows * padded length)
+    # micro-batch rows packed without pad tokens where the model allows (packing.py): exact, less memory, but
+    # measured slower on CPU (docs/performance.md), so off
+    packed: bool = False
     seed: int = 0  # bf16 stochastic rounding's noise stream (with the optimizer step); LoRA A's init
     lora: LoraConfig = field(default_factory=LoraConfig)  # `model.lora`; rank 0 = full-weight training
 
@@ -101,7 +104,7 @@ class Policy:
         """Per-token log-probs [N, L] (aligned with tokens; 0 at position 0). None off the last PP stage."""
         self.model.eval()
         mbs = self.micro_batches(batch)
-        outs = run_forward_backward(self.model, mbs, self.args.vocab_size, None, temperature)
+        outs = run_forward_backward(self.model, mbs, self.args.vocab_size, None, temperature, packed=self.cfg.packed)
         if not self.is_last_stage():
             return None
         full = torch.zeros(batch.tokens.shape, dtype=torch.float32)
@@ -115,7 +118,7 @@ class Policy:
         """Accumulate gradients of sum(micro-batch losses) (no averaging: losses are pre-normalised)."""
         self.model.train()
         return run_forward_backward(self.model, self.micro_batches(batch), self.args.vocab_size, loss_fn,
-                                    temperature, with_entropy)
+                                    temperature, with_entropy, packed=self.cfg.packed)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()

@@ -63,15 +63,40 @@ def resolve_dtype(dtype: str) -> str:
     """fp32 / bf16 / fp16 as given; `auto` -> bf16 on GPU, else by measurement (same answer on every rank)."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"model.dtype={dtype!r}: expected one of {list(DTYPE_CHOICES)}")
+    global _AUTO, _RESOLVED
     if dtype != "auto":
+        _RESOLVED = dtype
         return dtype
-    global _AUTO
     if _AUTO is None:
         _AUTO = _decide_auto()
+    _RESOLVED = _AUTO
     return _AUTO
 
 
 _AUTO: str | None = None  # measured once per process (the policy and a reference model share the answer)
+_RATES: MatmulRates | None = None  # what `auto` measured in this process (rank 0)
+_RESOLVED: str | None = None  # the last dtype `resolve_dtype` answered: the run's training dtype
+
+
+def roofline_gflops(dtype: str) -> float:
+    """`torch.mm` GFLOP/s of `dtype` (fp32 / bf16 / fp16) on this machine: what `auto` measured at start-up, else
+    measured now (best of 3, ~0.3 s in a fast dtype) and kept. The end-of-run speed summary divides achieved
+    FLOP/s by it."""
+    if _RATES is not None and dtype in ("fp32", "bf16"):
+        return _RATES.fp32_gflops if dtype == "fp32" else _RATES.bf16_gflops
+    if dtype not in _MEASURED:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        _MEASURED[dtype] = max(matmul_gflops(tdt, device=device) for _ in range(3))
+    return _MEASURED[dtype]
+
+
+_MEASURED: dict[str, float] = {}
+
+
+def resolved_dtype() -> str | None:
+    """The training dtype this process resolved (fp32 / bf16 / fp16), None before a policy was built."""
+    return _RESOLVED
 
 
 def _decide_auto() -> str:
@@ -82,7 +107,8 @@ def _decide_auto() -> str:
 
     choice = torch.zeros(1)
     if global_rank() == 0:
-        rates = measure_matmul_rates()
+        global _RATES
+        rates = _RATES = measure_matmul_rates()
         pick = rates.speedup >= AUTO_MIN_SPEEDUP
         choice[0] = 1.0 if pick else 0.0
         log.warning("model.dtype=auto -> %s (torch.mm fp32 %.0f GFLOP/s, bf16 %.0f GFLOP/s, %.2fx; bf16 needs >= "

@@ -13,7 +13,9 @@ from functools import partial
 
 import torch
 
+from mcore_rl.policy.chunked_head import chunked_head_logprobs
 from mcore_rl.policy.logprobs import vocab_parallel_logprobs
+from mcore_rl.policy.packing import can_pack, pack_rows, row_lengths, scored_rows
 
 
 @dataclass
@@ -41,8 +43,9 @@ class PolicyBatch:
             return t[:, :L] if t.dim() >= 2 else t
 
         index = rows if self.index is None else self.index[rows]
-        return PolicyBatch(cut(self.tokens), cut(self.loss_mask), {k: cut(v) for k, v in self.extras.items()},
-                           index)
+        return PolicyBatch(
+            cut(self.tokens), cut(self.loss_mask), {k: cut(v) for k, v in self.extras.items()}, index
+        )
 
 
 def split_micro_batches(batch: PolicyBatch, token_budget: int, pad_to: int = 8) -> list[PolicyBatch]:
@@ -76,8 +79,9 @@ def split_micro_batches(batch: PolicyBatch, token_budget: int, pad_to: int = 8) 
 LossFn = Callable[[PolicyBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
 
 
-def _shifted_logprobs(logits: torch.Tensor, mb: PolicyBatch, vocab_size: int, temperature: float,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _shifted_logprobs(
+    logits: torch.Tensor, mb: PolicyBatch, vocab_size: int, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp[:, t] = log p(tokens[t] | tokens[<t]); position 0 gets 0 (nothing predicts it)."""
     targets = mb.tokens[:, 1:]
     logp, ent = vocab_parallel_logprobs(logits[:, :-1], targets, vocab_size, temperature, with_entropy)
@@ -95,33 +99,59 @@ def _scatter_scored(values: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return torch.cat([values.new_zeros(b, 1), full], dim=1)
 
 
-def _head_on_scored_tokens(model_chunk, mb: PolicyBatch, pos: torch.Tensor):
+def _scored_hidden(model_chunk, gpt, mb: PolicyBatch, pos: torch.Tensor, sel: torch.Tensor, packed: bool):
+    """The final-norm hidden states [n, H] that predict the scored tokens (`sel` [b, L-1]): from the padded
+    micro-batch, or from its rows packed without pad tokens (`packing.py`) where the model allows it."""
+    packed = packed and can_pack(gpt)
+    gpt.post_process = False
+    try:
+        if packed:
+            tokens, ppos, params, offsets = pack_rows(mb.tokens, row_lengths(mb.loss_mask))
+            return scored_rows(model_chunk(tokens, ppos, None, packed_seq_params=params), offsets, sel)
+        hidden = model_chunk(mb.tokens, pos, None)  # [s, b, h] after the final norm
+    finally:
+        gpt.post_process = True
+    return hidden.transpose(0, 1)[:, :-1][sel]
+
+
+def _head_on_scored_tokens(model_chunk, mb: PolicyBatch, pos: torch.Tensor, chunked: bool, packed: bool = False):
     """Run the decoder, then the LM head only where a scored token is predicted.
 
     Prompt positions need no logits; skipping them saves most of the vocab-sized matmul and softmax work
-    (prompts are often longer than answers). Returns (logits [n, 1, V/tp], sel [b, L-1]) or None when the
-    fast path does not apply (not the last stage, or sequence parallel, whose hidden states are scattered).
+    (prompts are often longer than answers). Returns (head output, sel [b, L-1]) or None when the fast path does
+    not apply (not the last stage, or sequence parallel, whose hidden states are scattered). The head output is
+    (hidden [n, H], weight [V/tp, H]) when `chunked` (`chunked_head.py` runs the head and the log-softmax in
+    token chunks), else the logits [n, 1, V/tp] of Megatron's output layer.
     """
     from mcore_rl.policy.build import unwrap
 
     gpt = unwrap(model_chunk)
     if not gpt.post_process or gpt.config.sequence_parallel:
         return None
-    gpt.post_process = False
-    try:
-        hidden = model_chunk(mb.tokens, pos, None)  # [s, b, h] after the final norm
-    finally:
-        gpt.post_process = True
     sel = mb.loss_mask[:, 1:] > 0
-    h = hidden.transpose(0, 1)[:, :-1][sel]
+    h = _scored_hidden(model_chunk, gpt, mb, pos, sel, packed)
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
     dtype = gpt.output_layer.weight.dtype if weight is None else weight.dtype
     if getattr(gpt, "lm_head_fp32", False) and dtype != torch.float32:
         # fp32 copy of the (bf16) weight inside autograd: its gradient flows back to the bf16 parameter
         weight = (gpt.output_layer.weight if weight is None else weight).float()
         dtype = torch.float32
+    if chunked:
+        return (h.to(dtype), gpt.output_layer.weight if weight is None else weight), sel
     logits, _ = gpt.output_layer(h.unsqueeze(1).to(dtype), weight=weight)
     return logits, sel
+
+
+def _scored_logprobs(
+    out, mb: PolicyBatch, sel: torch.Tensor, vocab_size: int, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) [b, L] of the scored tokens from the head output of `_head_on_scored_tokens`."""
+    targets = mb.tokens[:, 1:][sel]
+    if isinstance(out, tuple):
+        lp, en = chunked_head_logprobs(out[0], out[1], targets, vocab_size, temperature, with_entropy)
+    else:
+        lp, en = vocab_parallel_logprobs(out[:, 0], targets, vocab_size, temperature, with_entropy)
+    return _scatter_scored(lp, sel), (_scatter_scored(en, sel) if en is not None else None)
 
 
 def run_forward_backward(
@@ -133,11 +163,15 @@ def run_forward_backward(
     with_entropy: bool = False,
     forward_only: bool = False,
     scored_only: bool = True,
+    chunked_head: bool = True,
+    packed: bool = False,
 ) -> list[dict]:
     """One pass of Megatron's schedule (1F1B under PP). Returns per-micro-batch outputs on the last stage.
 
     With `loss_fn=None` the pass is forward-only and each output holds {"logp": [b, L]}.
     `scored_only`: log-probs only where `loss_mask` is 1 (zeros elsewhere); the LM head skips other positions.
+    `chunked_head`: with `scored_only`, the head and log-softmax run in token chunks (no [tokens, vocab] logits).
+    `packed`: with `scored_only`, each micro-batch's rows run packed without pad tokens where the model allows.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -148,20 +182,19 @@ def run_forward_backward(
         if sel is None:
             logp, ent = _shifted_logprobs(logits, mb, vocab_size, temperature, with_entropy)
         else:
-            targets = mb.tokens[:, 1:][sel]
-            lp, en = vocab_parallel_logprobs(logits[:, 0], targets, vocab_size, temperature, with_entropy)
-            logp = _scatter_scored(lp, sel)
-            ent = _scatter_scored(en, sel) if en is not None else None
+            logp, ent = _scored_logprobs(logits, mb, sel, vocab_size, temperature, with_entropy)
         if loss_fn is None:
-            return logits.new_zeros(()), torch.tensor(1), {"logp": logp.detach()}
+            return logp.new_zeros(()), torch.tensor(1), {"logp": logp.detach()}
         loss, metrics = loss_fn(mb, logp, ent)
         return loss, torch.tensor(1), metrics
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
-        mb = PolicyBatch(mb.tokens.to(device), mb.loss_mask.to(device), {k: v.to(device) for k, v in mb.extras.items()})
+        mb = PolicyBatch(
+            mb.tokens.to(device), mb.loss_mask.to(device), {k: v.to(device) for k, v in mb.extras.items()}
+        )
         pos = torch.arange(mb.tokens.shape[1], device=device).unsqueeze(0).expand_as(mb.tokens)
-        fast = _head_on_scored_tokens(model_chunk, mb, pos) if scored_only else None
+        fast = _head_on_scored_tokens(model_chunk, mb, pos, chunked_head, packed) if scored_only else None
         if fast is not None:
             return fast[0], partial(loss_func, mb, fast[1])
         return model_chunk(mb.tokens, pos, None), partial(loss_func, mb, None)

@@ -60,3 +60,13 @@ class RunLog:
         from mcore_rl.evaluation.summary import run_summary
 
         print(run_summary(self.run_dir), flush=True)
+        print(self._speed(), flush=True)
+
+    def _speed(self) -> str:
+        """Tokens/s per phase and the fraction of the dtype's matmul roofline (`trainer/speed.py`); also appended
+        to run_dir/summary.jsonl."""
+        from mcore_rl.policy.precision import resolved_dtype, roofline_gflops
+        from mcore_rl.trainer.speed import write_speed_summary
+
+        dtype = resolved_dtype()
+        return write_speed_summary(self.run_dir, dtype, roofline_gflops(dtype) if dtype else None)

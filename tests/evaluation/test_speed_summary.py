@@ -1,0 +1,95 @@
+"""The end-of-run speed summary (`trainer/speed.py`): tokens/s per phase and the fraction of the matmul roofline,
+printed by a real run and appended to run_dir/summary.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mcore_rl.trainer.speed import phase_speeds, speed_summary
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_phase_speeds_from_hand_written_records(tmp_path):
+    _write(
+        tmp_path / "metrics.jsonl",
+        [
+            {
+                "step": 1,
+                "time_generate": 2.0,
+                "rollout_tokens": 100,
+                "time_train": 4.0,
+                "time_sync": 0.5,
+                "sync_gb": 0.25,
+            },
+            {
+                "step": 2,
+                "time_generate": 3.0,
+                "rollout_tokens": 150,
+                "time_train": 6.0,
+                "time_sync": 0.5,
+                "sync_gb": 0.25,
+            },
+            {
+                "step": 3,
+                "time_generate": 99.0,
+                "rollout_tokens": 1,
+                "time_train": 99.0,
+            },  # after the last counted eval
+        ],
+    )
+    _write(
+        tmp_path / "eval.jsonl",
+        [
+            {"step": 0, "time_eval": 1.0, "response_len": 10.0, "num_prompts": 4, "k": 2},
+            {
+                "step": 2,
+                "time_eval": 3.0,
+                "response_len": 20.0,
+                "num_prompts": 4,
+                "k": 2,
+                "flops_generate": 5e9,
+                "flops_train": 60e9,
+                "flops_score": 0.0,
+                "tokens_trained": 800.0,
+            },
+        ],
+    )
+    p = {s.phase: s for s in phase_speeds(tmp_path, roof_gflops=20.0)}
+    assert set(p) == {"generate", "train", "eval", "sync"}  # no old-logp time: no score phase
+    assert p["generate"].tokens_per_s == pytest.approx(250 / 5) and p["generate"].gflops == pytest.approx(1.0)
+    assert p["generate"].roofline_frac == pytest.approx(0.05)
+    assert p["train"].tokens_per_s == pytest.approx(80.0) and p["train"].gflops == pytest.approx(6.0)
+    assert p["train"].roofline_frac == pytest.approx(0.3)
+    assert p["eval"].tokens_per_s == pytest.approx((80 + 160) / 4.0) and p["eval"].gflops is None
+    assert p["sync"].gb_per_s == pytest.approx(0.5) and p["sync"].tokens_per_s is None
+    record, text = speed_summary(tmp_path, "fp32", 20.0)
+    assert record["phases"]["train"]["roofline_frac"] == pytest.approx(0.3)
+    assert "train: 10.0 s, 80.0 tok/s, 6.0 GFLOP/s, 30.0% of roofline" in text
+
+
+def test_real_run_prints_and_records_the_speed_summary(tiny_run_proc):
+    run_dir, proc = tiny_run_proc
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last_eval = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
+    rec = json.loads((run_dir / "summary.jsonl").read_text().splitlines()[-1])
+    assert rec["dtype"] == "fp32" and rec["matmul_gflops"] > 1.0  # model=tiny is pinned to fp32
+    gen, tr = rec["phases"]["generate"], rec["phases"]["train"]
+    assert gen["tokens_per_s"] == pytest.approx(
+        sum(r["rollout_tokens"] for r in train) / sum(r["time_generate"] for r in train)
+    )
+    assert (
+        tr["tokens"] == last_eval["tokens_trained"] > last_eval["tokens_generated"]
+    )  # prompts are trained too
+    assert tr["gflops"] == pytest.approx(last_eval["flops_train"] / tr["seconds"] / 1e9)
+    assert (
+        tr["roofline_frac"] == pytest.approx(tr["gflops"] / rec["matmul_gflops"])
+        and 0 < tr["roofline_frac"] < 2
+    )
+    assert rec["phases"]["eval"]["tokens_per_s"] > 0
+    assert f"speed (fp32 torch.mm roofline {rec['matmul_gflops']:,.0f} GFLOP/s)" in proc.stdout
+    assert f"{100 * tr['roofline_frac']:.1f}% of roofline" in proc.stdout
