@@ -92,7 +92,7 @@ class _ChunkedHead(torch.autograd.Function):
         in_range = (local_t >= 0) & (local_t < n_valid)
         local_t = local_t.clamp(0, max(n_valid - 1, 0))
         n = h.shape[0]
-        stats = _kernels(h.dtype, n_valid)[0]
+        stats = _kernels(h.dtype, n_valid, h.shape[-1])[0]
         m, s, tgt, pdot = (torch.zeros(n, dtype=torch.float32, device=h.device) for _ in range(4))
         if n_valid == 0:
             m.fill_(float("-inf"))
@@ -121,7 +121,7 @@ class _ChunkedHead(torch.autograd.Function):
         dlogp = torch.zeros_like(m) if dlogp is None else dlogp.float()
         dent = torch.zeros_like(m) if dent is None else dent.float()
         w = weight[:n_valid]
-        grad = _kernels(h.dtype, n_valid)[1]
+        grad = _kernels(h.dtype, n_valid, h.shape[-1])[1]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gh = torch.zeros_like(h) if need_h else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -151,17 +151,20 @@ class _ChunkedHead(torch.autograd.Function):
 
 
 # Compiled per-chunk kernels, measured (docs/performance.md, fp32, [170, 49152] chunks): stats 199 -> 16 ms,
-# d logits 277 -> 69 ms. Below this many vocabulary rows per rank the eager kernels are cheap and the ~20 s of
-# compile per process does not pay (the tiny test models); bf16/fp16 always compile, as before chunking.
+# d logits 277 -> 69 ms. In fp32 the ~20 s of compile per process pays only for a real model's run: below this
+# many vocabulary rows per rank, or below this hidden size (the tiny test models: hidden 64 with SmolLM2's 49k
+# vocabulary, a few updates per process), the eager kernels are used; bf16/fp16 always compile, as before chunking.
 COMPILE_MIN_VOCAB = 8192
+COMPILE_MIN_HIDDEN = 256
 _COMPILED: dict[str, object] = {}
 
 
-def _kernels(dtype: torch.dtype, n_vocab: int):
+def _kernels(dtype: torch.dtype, n_vocab: int, hidden: int):
     """(stats, grad) per-chunk functions: compiled (one fused loop each) unless `model.compile=false`."""
     from mcore_rl.compat.fused_ops import _compiled, compile_enabled
 
-    if not compile_enabled() or (dtype == torch.float32 and n_vocab < COMPILE_MIN_VOCAB):
+    small = n_vocab < COMPILE_MIN_VOCAB or hidden < COMPILE_MIN_HIDDEN
+    if not compile_enabled() or (dtype == torch.float32 and small):
         return _chunk_stats, _chunk_grad
     if not _COMPILED:
         _COMPILED.update(stats=_compiled(_chunk_stats), grad=_compiled(_chunk_grad))

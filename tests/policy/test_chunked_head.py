@@ -69,6 +69,7 @@ def test_compiled_chunk_kernels_equal_eager(monkeypatch):
     out = []
     for floor in (10**9, 0):  # eager, then compiled (the vocabulary is above the floor)
         monkeypatch.setattr(chunked_head, "COMPILE_MIN_VOCAB", floor)
+        monkeypatch.setattr(chunked_head, "COMPILE_MIN_HIDDEN", floor)
         before = dict(fused_ops.compiled_calls())
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         lp, ent = chunked_head_logprobs(hh, ww, targets, v, 0.8, True, rows=16)
