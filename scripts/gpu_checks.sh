@@ -24,8 +24,9 @@ torch.cuda.get_device_name(0))"
 timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -q -m gpu -rA tests/gpu tests/rollout/test_tensor_payload.py 2>&1 \
   | tee "$OUT/gpu_suite.log"
 
-timeout "${BENCH_TIMEOUT:-150}" $PY benchmarks/policy_step.py --model llama-0.5b --dtypes bf16,fp32 --batch 8 \
-  --seq 1024 --iters 5 --no-hf 2>&1 | tee "$OUT/policy_step.log"
+# shorter: POLICY_FLAGS="--dtypes bf16 --heads chunked" ENGINE_FLAGS="--dtypes bfloat16 --workloads fixed"
+timeout "${BENCH_TIMEOUT:-150}" $PY benchmarks/policy_step.py --model llama-0.5b --batch 8 --seq 1024 --iters 5 \
+  --no-hf ${POLICY_FLAGS:---dtypes bf16,fp32 --heads chunked,unchunked} 2>&1 | tee "$OUT/policy_step.log"
 
 # a SmolLM2-135M-shaped random model with the SmolLM2 tokenizer (taken from the tiny model's folder)
 ENGINE_DIR=$($PY - <<'EOF'
@@ -46,5 +47,5 @@ print(out)
 EOF
 )
 timeout "${ENGINE_TIMEOUT:-150}" $PY benchmarks/rollout_engine.py --model-path "$ENGINE_DIR" --device cuda \
-  --dtypes bfloat16,float32 --workloads fixed,eos --prompts 16 --n 4 --new-tokens 128 --repeats 2 2>&1 \
+  --prompts 16 --n 4 --new-tokens 128 --repeats 2 ${ENGINE_FLAGS:---dtypes bfloat16,float32 --workloads fixed,eos} 2>&1 \
   | tee "$OUT/rollout_engine.log"
