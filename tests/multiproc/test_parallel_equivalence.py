@@ -25,7 +25,12 @@ def reference(tiny_llama_dir, tmp_path_factory):
     return reference_run(WORKER, tiny_llama_dir, tmp_path_factory.mktemp("par"))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# slow: TP=2 and PP=2 alone; tp2pp2 (4 ranks) runs both splits, and their interaction, in the default suite, and
+# tests/lora/test_lora_parallel.py runs the base model at tp2 and pp2 alone
+SLOW = {"tp2", "pp2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_layout_matches_tp1(name, reference, tiny_llama_dir, tmp_path):
     ckpt, ref = reference
     nproc, tp, pp, extra = LAYOUTS[name]

@@ -61,7 +61,12 @@ def test_tp2_pp2_sync_into_two_servers(mode, two_servers, tiny_llama_dir, tmp_pa
         assert res["stage_groups"] == ["weight_update_group_pp0", "weight_update_group_pp1"]
 
 
-@pytest.mark.parametrize("mode", ["nccl", "tensor"])
+@pytest.mark.parametrize("mode", [
+    "nccl",
+    # slow: the tensor transport into servers stays in test_tp2_pp2_sync_into_two_servers[tensor], the restart
+    # and re-sync in [nccl]
+    pytest.param("tensor", marks=pytest.mark.slow),
+])
 def test_restarted_server_is_resynced(mode, tiny_llama_dir, tmp_path):
     """TP=1 x PP=2: after a sync, server 0 is killed; the launcher brings it back on its initial weights; it is
     held out of the client's rotation until `resync_restarted` (collective) sends it the current weights (nccl:
