@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +41,6 @@ from mcore_rl.rollout.protocol import (
 from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
 log = logging.getLogger(__name__)
-# standalone, `auto` means fp32; inside a training run the trainer resolves it to its own dtype first
 
 
 def resolve_device(device: str) -> torch.device:
@@ -47,8 +48,6 @@ def resolve_device(device: str) -> torch.device:
     that GPU), else cpu. Why not cpu always: on a GPU node a CPU engine decodes orders of magnitude slower."""
     if device != "auto":
         return torch.device(device)
-    import os
-
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
@@ -74,7 +73,6 @@ class EngineStats:
 @register_engine("local")
 class LocalEngine:
     """RolloutEngine over an HF causal LM folder. Thread-safe; `submit` returns one Future per sample."""
-
     def __init__(
         self,
         model_path: str,
@@ -98,7 +96,7 @@ class LocalEngine:
         self.device = resolve_device(device)
         if dtype != "auto" and dtype not in SHORT_OR_LONG:
             raise ValueError(f"rollout.dtype={dtype!r}: expected auto, float32, bfloat16 or float16")
-        name = "float32" if dtype == "auto" else long_name(dtype)
+        name = "float32" if dtype == "auto" else long_name(dtype)  # standalone: fp32 (a run resolves auto first)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, name), attn_implementation="sdpa"
         ).to(self.device)
@@ -129,16 +127,31 @@ class LocalEngine:
         self._wake = False
         # worker-owned batch state
         self._model_lock = threading.RLock()
+        self._outside_waiters = 0  # callers waiting for _model_lock: the loop lets them in before its next step
         self.set_fast_decode(fast_decode)
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
 
+    @contextmanager
+    def _hold_model(self) -> Iterator[None]:
+        """_model_lock for a caller outside the loop, ahead of its next step (the loop retakes the unfair lock
+        right after each step: a busy batch would starve a weight update until it drains)."""
+        with self._cv:
+            self._outside_waiters += 1
+        try:
+            with self._model_lock:
+                yield
+        finally:
+            with self._cv:
+                self._outside_waiters -= 1
+                self._cv.notify_all()
+
     def set_fast_decode(self, enabled: bool = True) -> None:
         """Index-free sampling (token_sampler.py; bitwise the same tokens and log-probs). False: the plain
         boolean-indexed path, kept for the side-by-side benchmark. Takes effect between decode steps."""
-        with self._model_lock:
+        with self._hold_model():
             self._index_free = bool(enabled)
 
     # ------------------------------------------------------------------ protocol
@@ -180,7 +193,7 @@ class LocalEngine:
             self.abort(None)
             with self._cv:  # SGLang returns once the aborted requests are out
                 self._cv.wait_for(lambda: not self._batch.rows and not self._admitting, timeout=60)
-        with self._model_lock:  # returns once the in-flight decode step is done
+        with self._hold_model():  # returns once the in-flight decode step is done
             pass
 
     def resume(self) -> None:
@@ -190,7 +203,7 @@ class LocalEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy HF-named tensors in place. Holds decoding for the whole stream, so no step sees half an update."""
-        with self._model_lock:
+        with self._hold_model():
             n = load_named_tensors(self._params, named_tensors)
             self._version = int(version)
             if self.interrupt_on_update:
@@ -219,7 +232,7 @@ class LocalEngine:
 
     def set_weight_version(self, version: int) -> None:
         """Re-tag without loading weights (SGLang's /update_weight_version)."""
-        with self._model_lock:
+        with self._hold_model():
             self._version = int(version)
 
     def release_memory(self) -> None:
@@ -229,13 +242,13 @@ class LocalEngine:
                     f"release_memory() with {self.num_running} requests in flight; pause(mode='abort') first"
                 )
             self._released = True
-        with self._model_lock:
+        with self._hold_model():
             if self.device.type == "cuda":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        with self._model_lock:
+        with self._hold_model():
             if self._released and self.device.type == "cuda":
                 self.model.to(self.device)
         with self._cv:
@@ -292,7 +305,7 @@ class LocalEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closing and not self._has_work():
+                while not self._closing and (self._outside_waiters or not self._has_work()):
                     self._cv.wait()
                 if self._closing:
                     return
