@@ -11,6 +11,7 @@ import torch
 from mcore_rl.policy.chunked_head import chunk_rows, chunked_head_logprobs
 from mcore_rl.policy.logprobs import vocab_parallel_logprobs
 from mcore_rl.policy.step import PolicyBatch, run_forward_backward
+from tests.policy.conftest import loaded_policy
 
 
 def _head_case(seed: int = 0):
@@ -111,13 +112,7 @@ def _saved_shapes(fn) -> list[tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def policy(tiny_llama_dir):
-    from mcore_rl.distributed import init_distributed
-    from mcore_rl.policy.policy import Policy, PolicyConfig
-
-    init_distributed(1, 1)
-    pol = Policy(tiny_llama_dir, PolicyConfig(token_budget=96))
-    pol.load_hf(tiny_llama_dir)
-    return pol
+    return loaded_policy(tiny_llama_dir, token_budget=96)
 
 
 @pytest.mark.multiproc

@@ -8,6 +8,7 @@ import torch
 
 from mcore_rl.policy.packing import pack_rows, row_lengths, scored_rows
 from mcore_rl.policy.step import PolicyBatch, run_forward_backward
+from tests.policy.conftest import loaded_policy
 
 
 def test_pack_rows_layout():
@@ -27,13 +28,7 @@ def test_pack_rows_layout():
 
 @pytest.fixture(scope="module")
 def policy(tiny_llama_dir):
-    from mcore_rl.distributed import init_distributed
-    from mcore_rl.policy.policy import Policy, PolicyConfig
-
-    init_distributed(1, 1)
-    pol = Policy(tiny_llama_dir, PolicyConfig(token_budget=96))
-    pol.load_hf(tiny_llama_dir)
-    return pol
+    return loaded_policy(tiny_llama_dir, token_budget=96)
 
 
 @pytest.mark.multiproc

@@ -14,6 +14,7 @@ from mcore_rl.models.spec import (
     validate_parallel,
 )
 from mcore_rl.policy.logprobs import reference_logprobs, vocab_parallel_logprobs
+from tests.policy.conftest import loaded_policy
 from tests.train_step import train_step
 
 pytestmark = pytest.mark.multiproc  # builds real Megatron modules (one gloo rank)
@@ -21,13 +22,7 @@ pytestmark = pytest.mark.multiproc  # builds real Megatron modules (one gloo ran
 
 @pytest.fixture(scope="module")
 def policy(tiny_llama_dir):
-    from mcore_rl.distributed import init_distributed
-    from mcore_rl.policy.policy import Policy, PolicyConfig
-
-    init_distributed(1, 1)
-    pol = Policy(tiny_llama_dir, PolicyConfig(token_budget=64))
-    pol.load_hf(tiny_llama_dir)
-    return pol
+    return loaded_policy(tiny_llama_dir, token_budget=64)
 
 
 def test_logprobs_equal_plain_pytorch_reference(policy, tiny_llama_dir):
