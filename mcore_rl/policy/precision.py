@@ -63,19 +63,16 @@ def resolve_dtype(dtype: str) -> str:
     """fp32 / bf16 / fp16 as given; `auto` -> bf16 on GPU, else by measurement (same answer on every rank)."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"model.dtype={dtype!r}: expected one of {list(DTYPE_CHOICES)}")
-    global _AUTO, _RESOLVED
     if dtype != "auto":
-        _RESOLVED = dtype
         return dtype
+    global _AUTO
     if _AUTO is None:
         _AUTO = _decide_auto()
-    _RESOLVED = _AUTO
     return _AUTO
 
 
 _AUTO: str | None = None  # measured once per process (the policy and a reference model share the answer)
 _RATES: MatmulRates | None = None  # what `auto` measured in this process (rank 0)
-_RESOLVED: str | None = None  # the last dtype `resolve_dtype` answered: the run's training dtype
 
 
 def roofline_gflops(dtype: str) -> float:
@@ -92,11 +89,6 @@ def roofline_gflops(dtype: str) -> float:
 
 
 _MEASURED: dict[str, float] = {}
-
-
-def resolved_dtype() -> str | None:
-    """The training dtype this process resolved (fp32 / bf16 / fp16), None before a policy was built."""
-    return _RESOLVED
 
 
 def _decide_auto() -> str:

@@ -163,7 +163,7 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         p.compute = ComputeMeter(model_flops(model_dir), world, torch.cuda.is_available())
     record = config_record(cfg, dtype)
-    runlog = RunLog(lay.run_dir, cfg.logging, cfg.trainer.steps, lay.rank == 0, dataclasses.asdict(record))
+    runlog = RunLog(lay.run_dir, cfg.logging, cfg.trainer.steps, lay.rank == 0, dataclasses.asdict(record), dtype)
     state, stop = RunState(), StopFlag()
     stop.install()
     if lay.rank == 0 and cfg.env is not None:

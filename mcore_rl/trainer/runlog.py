@@ -18,8 +18,10 @@ class RunLog:
         total_updates: int,
         enabled: bool,
         record: dict[str, Any] | None = None,
+        dtype: str | None = None,  # the run's resolved training dtype: the speed summary's roofline
     ) -> None:
         self.run_dir, self.settings, self.total, self.enabled = run_dir, settings, total_updates, enabled
+        self.dtype = dtype
         self.logger = MetricsLogger(run_dir, settings, enabled=enabled, config=record)
         self.last_heldout: float | None = None
         self._bar = None
@@ -65,8 +67,8 @@ class RunLog:
     def _speed(self) -> str:
         """Tokens/s per phase and the fraction of the dtype's matmul roofline (`trainer/speed.py`); also appended
         to run_dir/summary.jsonl."""
-        from mcore_rl.policy.precision import resolved_dtype, roofline_gflops
+        from mcore_rl.policy.precision import roofline_gflops
         from mcore_rl.trainer.speed import write_speed_summary
 
-        dtype = resolved_dtype()
+        dtype = self.dtype
         return write_speed_summary(self.run_dir, dtype, roofline_gflops(dtype) if dtype else None)
