@@ -150,7 +150,7 @@ class LocalEngine:
 
     def set_fast_decode(self, enabled: bool = True) -> None:
         """Index-free sampling (token_sampler.py; bitwise the same tokens and log-probs). False: the plain
-        boolean-indexed path, kept for the side-by-side benchmark. Takes effect between decode steps."""
+        boolean-indexed path, the reference tests hold the fast one to. Takes effect between decode steps."""
         with self._hold_model():
             self._index_free = bool(enabled)
 
