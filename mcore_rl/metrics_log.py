@@ -91,7 +91,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     train, evals = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl")
     if not train:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    episodes = any("env/turns" in r for r in train)  # an env= run: tool use and turns get their own panel
+    fig, axes = plt.subplots(1, 3 if episodes else 2, figsize=(18 if episodes else 12, 4.2))
     steps = [r["step"] for r in train]
     ax = axes[0]
     if any("reward_mean" in r for r in train):
@@ -118,8 +119,34 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     ax.set_ylabel("seconds")
     ax.set_title("Time per phase")
     ax.legend()
+    if episodes:
+        _plot_episodes(axes[2], steps, train, evals)
     fig.tight_layout()
     path = Path(out) if out else run_dir / "curves.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _plot_episodes(ax, steps: list[int], train: list[dict], evals: list[dict]) -> None:
+    """Valid tool-call rate (a fraction, left axis) and turns / tool calls per episode (counts, right axis): what
+    an agentic run learns besides its reward."""
+    get = lambda rows, k: [r.get(k, float("nan")) for r in rows]  # noqa: E731
+    ax.plot(steps, get(train, "env/valid_tool_call_rate"), color="tab:green", alpha=0.6,
+            label="valid tool-call rate (train)")
+    held = [r for r in evals if "env/valid_tool_call_rate" in r]
+    if held:
+        ax.plot([r["step"] for r in held], get(held, "env/valid_tool_call_rate"), "o-", color="tab:green",
+                label="valid tool-call rate (held-out)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("optimizer update")
+    ax.set_ylabel("fraction of tool calls")
+    ax.set_title("Episodes")
+    ax.grid(alpha=0.3)
+    right = ax.twinx()
+    right.plot(steps, get(train, "env/turns"), color="tab:purple", label="turns / episode (train)")
+    right.plot(steps, get(train, "env/tool_calls"), "--", color="tab:orange", label="tool calls / episode (train)")
+    right.set_ylabel("per episode")
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8)

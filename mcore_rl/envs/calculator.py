@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mcore_rl.data.records import PromptRecord
@@ -16,29 +17,54 @@ from mcore_rl.envs.base import ENVS, EnvConfig, Environment, Episode, Feedback, 
 from mcore_rl.envs.calc import evaluate
 from mcore_rl.rewards.extract import extract_answer
 
-# (template, answer as a function of the operands); operands a, b, c, d are drawn per problem.
-_PROBLEMS = [
-    (
-        "A warehouse holds {a} boxes. It receives {b} shipments of {c} boxes each, then sends out {d} boxes. "
-        "How many boxes are in the warehouse now?",
-        lambda a, b, c, d: a + b * c - d,
-    ),
-    (
-        "A farm has {b} fields that each yield {c} kg of grain, plus {a} kg in its silo. It sells {d} kg. "
-        "How many kg of grain does it have left?",
-        lambda a, b, c, d: b * c + a - d,
-    ),
-    (
-        "A factory made {a} parts last month and {b} batches of {c} parts this month; {d} parts failed inspection. "
-        "How many good parts did it make in the two months?",
-        lambda a, b, c, d: a + b * c - d,
-    ),
-    (
-        "A city had {a} residents. Over {b} years its population grew by {c} people a year, and {d} people moved "
-        "away in total. How many residents does it have now?",
-        lambda a, b, c, d: a + b * c - d,
-    ),
-]
+# Problems by number of operations: (template, answer as a function of the operands a, b, c, d, drawn per problem).
+# Two operations (`b*c - d`, `b*c + a`) have the demonstration's shape; three (`a + b*c - d`) need one more operand
+# placed right.
+_PROBLEMS: dict[int, list[tuple[str, Callable[[int, int, int, int], int]]]] = {
+    2: [
+        (
+            "A bakery bakes {b} trays of {c} cookies each and sells {d} cookies. How many cookies are left?",
+            lambda a, b, c, d: b * c - d,
+        ),
+        (
+            "A truck carries {b} crates of {c} apples each and drops off {d} apples. "
+            "How many apples are still on the truck?",
+            lambda a, b, c, d: b * c - d,
+        ),
+        (
+            "A school buys {b} packs of {c} pencils each and already has {a} pencils. "
+            "How many pencils does it have now?",
+            lambda a, b, c, d: b * c + a,
+        ),
+        (
+            "A library has {b} shelves of {c} books each and {a} more books in storage. "
+            "How many books does it have in total?",
+            lambda a, b, c, d: b * c + a,
+        ),
+    ],
+    3: [
+        (
+            "A warehouse holds {a} boxes. It receives {b} shipments of {c} boxes each, then sends out {d} boxes. "
+            "How many boxes are in the warehouse now?",
+            lambda a, b, c, d: a + b * c - d,
+        ),
+        (
+            "A farm has {b} fields that each yield {c} kg of grain, plus {a} kg in its silo. It sells {d} kg. "
+            "How many kg of grain does it have left?",
+            lambda a, b, c, d: b * c + a - d,
+        ),
+        (
+            "A factory made {a} parts last month and {b} batches of {c} parts this month; {d} parts failed "
+            "inspection. How many good parts did it make in the two months?",
+            lambda a, b, c, d: a + b * c - d,
+        ),
+        (
+            "A city had {a} residents. Over {b} years its population grew by {c} people a year, and {d} people "
+            "moved away in total. How many residents does it have now?",
+            lambda a, b, c, d: a + b * c - d,
+        ),
+    ],
+}
 _CALC = Tool(
     name="calc",
     description="Evaluate an arithmetic expression exactly (numbers, + - * / // % ** and parentheses).",
@@ -55,6 +81,7 @@ _CALC = Tool(
 class CalculatorConfig(EnvConfig):
     min_operand: int = 1000  # a, c and d are drawn from [min_operand, max_operand]; b from [3, 99]
     max_operand: int = 99999
+    operations: int = 3  # 3: a + b*c - d (the default task); 2: b*c - d or b*c + a, the demonstration's shape
     system_prompt: str = (
         "Solve the problem. You may call the calc tool to do arithmetic: write {call} and wait "
         "for its result. When you know the answer, reply with it as \\boxed{{N}}."
@@ -71,6 +98,8 @@ class CalculatorConfig(EnvConfig):
             raise ValueError(
                 f"env.min_operand={self.min_operand} must be in [1, max_operand={self.max_operand}]"
             )
+        if self.operations not in _PROBLEMS:
+            raise ValueError(f"env.operations={self.operations} must be one of {sorted(_PROBLEMS)}")
         if "{call}" not in self.system_prompt:
             raise ValueError("env.system_prompt must contain '{call}' (where the tool-call example goes)")
 
@@ -99,10 +128,12 @@ def demonstration(tool_format: str) -> list[Message]:
 
 
 def _problem(rng: random.Random, cfg: CalculatorConfig) -> tuple[str, int]:
-    template, answer = _PROBLEMS[rng.randrange(len(_PROBLEMS))]
+    problems = _PROBLEMS[cfg.operations]
+    template, answer = problems[rng.randrange(len(problems))]
     a, c = rng.randint(cfg.min_operand, cfg.max_operand), rng.randint(cfg.min_operand, cfg.max_operand)
     b = rng.randint(3, 99)
-    d = rng.randint(cfg.min_operand, min(cfg.max_operand, a + b * c - 1))
+    total = b * c + (a if cfg.operations == 3 else 0)  # what d is subtracted from: the answer stays positive
+    d = rng.randint(cfg.min_operand, min(cfg.max_operand, total - 1))
     return template.format(a=a, b=b, c=c, d=d), answer(a, b, c, d)
 
 

@@ -44,6 +44,24 @@ def test_calculator_problems_need_big_multiplications_and_splits_are_disjoint():
     }
 
 
+def test_calculator_two_operation_problems_have_the_demonstrations_shape():
+    env = build_environment({"name": "calculator", "operations": 2, "size": 100, "heldout_size": 50})
+    train, held = env.records("train"), env.records("heldout")
+    assert not {r.metadata["question"] for r in train} & {r.metadata["question"] for r in held}
+    shapes = set()
+    for rec in train:
+        nums = [int(x) for x in re.findall(r"\d+", rec.metadata["question"])]
+        assert len(nums) == 3 and 3 <= nums[0] <= 99 and min(nums[1:]) >= 1000 and int(rec.answer) > 0
+        b, c, other = nums
+        shape = {str(b * c - other): "b*c-d", str(b * c + other): "b*c+a"}[rec.answer]
+        shapes.add(shape)
+    assert shapes == {"b*c-d", "b*c+a"}
+    # the three-operation default is unchanged by the option
+    assert build_environment({"name": "calculator", "operations": 3}).records("train")[0].prompt == (
+        build_environment({"name": "calculator"}).records("train")[0].prompt
+    )
+
+
 def test_calculator_judges_the_final_number():
     env = build_environment({"name": "calculator"})
     rec = env.records("train")[0]
@@ -134,6 +152,7 @@ def test_shipped_yamls_build(path):
         ({"name": "calculator", "max_turn": 3}, "unknown key(s) ['max_turn']"),
         ({"name": "calculator", "max_turns": 0}, "env.max_turns=0 must be >= 1"),
         ({"name": "calculator", "tool_format": "xml"}, "env.tool_format='xml' must be one of"),
+        ({"name": "calculator", "operations": 4}, "env.operations=4 must be one of [2, 3]"),
         ({"name": "retry", "discount": 0.0}, "env.discount=0.0 must be in (0, 1]"),
         ({"name": "retry", "task": "no_such_task"}, "env.task='no_such_task'"),
         (

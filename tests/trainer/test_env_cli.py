@@ -27,6 +27,7 @@ CALC = [
     "env.size=16", "env.heldout_size=2", "env.seed=3", "env.max_turns=3", "env.max_total_tokens=600",
     "env.max_new_tokens=8", "env.max_tool_calls_per_turn=2", "env.tool_timeout_s=20", "env.tool_workers=1",
     "env.tool_memory_limit_mb=512", "env.min_operand=1000", "env.max_operand=99999", "env.demonstration=true",
+    "env.operations=3",
 ]  # fmt: skip
 SMALL = ["model=tiny", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=4",
          "eval.num_prompts=2", "eval.samples_per_prompt=2", "logging.progress=false", "logging.plot=false",
