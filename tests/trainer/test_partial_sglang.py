@@ -73,45 +73,113 @@ def router(tmp_path_factory) -> Router:
     cfg = LauncherConfig(
         model_path=str(tiny_dir("7")), server="mcore-rl-serve", num_servers=2, router=True,
         router_command=[*ROUTER_COMMAND, "--policy", "manual", "--assignment-mode", "min_group"],
-        extra_args=["--num-threads", "1", "--log-requests", "--log-requests-target", str(logs / "requests")],
+        extra_args=["--num-threads", "1", "--max-batch-size", "1", "--log-requests", "--log-requests-target", str(logs / "requests")],
         log_dir=str(logs), health_timeout_s=180, monitor=False,
     )  # fmt: skip
     with ServerLauncher(cfg) as launcher:
         yield Router(launcher, logs / "requests")
 
 
-def by_key(served: list[tuple[int, dict]], key: str) -> dict[str, list[tuple[int, dict]]]:
-    out: dict[str, list[tuple[int, dict]]] = {}
-    for w, row in served:
-        out.setdefault(row["rid"].split("/")[0], []).append((w, row))
-    return out
-
-
 SINGLE = [*SEVENS, *PARTIAL, "trainer.steps=4"]
+EPISODES = [*CALC, "partial_rollout.enabled=true", "partial_rollout.chunk_tokens=8", "partial_rollout.over_issue=2",
+            "trainer.steps=4", "optim.lr=1e-3"]  # fmt: skip
 
 
-def test_single_turn_chunks_continue_on_one_worker(router, tmp_path):
-    """Four rounds of the sevens task through the router: every chunk of a sample continues the sample's tokens on
-    the worker that served its first chunk, and the ids are whole."""
-    proc = run(tmp_path / "run", *SINGLE, *router.start_run(tiny_dir("7")))
+@pytest.fixture(scope="module")
+def single_run(router, tmp_path_factory) -> tuple[Path, list[tuple[int, dict]]]:
+    """Four rounds of the sevens task through the router: (run dir, what the workers served)."""
+    out = tmp_path_factory.mktemp("partial_sglang_single")
+    proc = run(out, *SINGLE, *router.start_run(tiny_dir("7")))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    trained, carried = check_ids(last_per(tmp_path / "run" / "partial.jsonl", "round"), 4)
+    return out, router.served()
+
+
+@pytest.fixture(scope="module")
+def episode_run(router, tmp_path_factory) -> tuple[Path, list[tuple[int, dict]]]:
+    """Four rounds of calculator episodes (tool turns) through the router."""
+    out = tmp_path_factory.mktemp("partial_sglang_episodes")
+    proc = run(out, *EPISODES, *router.start_run(tiny_dir(None)), plugins=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, router.served()
+
+
+def by_owner(served: list[tuple[int, dict]], sep: str) -> dict[str, list[tuple[int, int, dict]]]:
+    """Requests by the sample / episode they belong to (SGLang rid `<id><sep><k>#0`), as (k, worker, row)."""
+    out: dict[str, list[tuple[int, int, dict]]] = {}
+    for w, row in served:
+        owner, k = row["rid"].rsplit("#", 1)[0].split(sep)
+        out.setdefault(owner, []).append((int(k), w, row))
+    return {o: sorted(rows, key=lambda r: r[0]) for o, rows in out.items()}
+
+
+def test_single_turn_chunks_continue_on_one_worker(single_run):
+    """Every chunk of a sample continues the sample's tokens on the worker that served its first chunk; the ids
+    are whole and half the trained samples were carried."""
+    run_dir, served = single_run
+    trained, carried = check_ids(last_per(run_dir / "partial.jsonl", "round"), 4)
     assert trained == 4 * 8 and 2 * carried >= trained, (trained, carried)
-    samples = by_key(router.served(), "rid")
-    workers = set()
+    samples, workers = by_owner(served, "/c"), set()
     for sid, rows in samples.items():
-        rows.sort(key=lambda wr: int(wr[1]["rid"].split("/c")[1].split("#")[0]))
-        assert [int(r["rid"].split("/c")[1].split("#")[0]) for _, r in rows] == list(range(len(rows))), sid
-        ws = {w for w, _ in rows}
-        assert len(ws) == 1 and all(r["routing_key"] == sid for _, r in rows), (sid, ws)
+        assert [k for k, _, _ in rows] == list(range(len(rows))), sid  # each chunk sent once, none skipped
+        ws = {w for _, w, _ in rows}
+        assert len(ws) == 1 and all(r["routing_key"] == sid for _, _, r in rows), (sid, ws)
         workers |= ws
-        prompt, so_far = rows[0][1]["input_ids"], []
-        for k, (_, r) in enumerate(rows):
+        prompt, so_far = rows[0][2]["input_ids"], []
+        for k, _, r in rows:
             assert r["input_ids"] == prompt + so_far  # the prompt plus every token generated so far
-            assert len(r["output_ids"]) <= 16 - len(so_far)
+            assert len(r["output_ids"]) <= 16 - len(so_far)  # the budget left
             if k < len(rows) - 1:
                 assert len(r["output_ids"]) == 4  # cut by the chunk cap, not finished
             so_far += r["output_ids"]
-    multi = [sid for sid, rows in samples.items() if len({v for _, r in rows for v in r["weight_versions"]}) > 1]
-    print(f"sglang partial: {len(samples)} samples, {len(multi)} with tokens of two versions", file=sys.stderr)
+    multi = [
+        s for s, rows in samples.items() if len({v for _, _, r in rows for v in r["weight_versions"]}) > 1
+    ]
+    print(
+        f"sglang partial: {len(samples)} samples, {len(multi)} with tokens of two versions", file=sys.stderr
+    )
     assert workers == {0, 1} and multi  # both workers served; carried samples continued under a later version
+
+
+def test_carried_episodes_stay_on_one_worker(episode_run):
+    """Calculator episodes (tool turns between model turns) carried across rounds: each episode's turns, in
+    every round it lived through, went to one worker, each turn on the episode's ids so far."""
+    run_dir, served = episode_run
+    trained, carried = check_ids(last_per(run_dir / "partial.jsonl", "round"), 4)
+    assert trained == 4 * 8 and 2 * carried >= trained, (trained, carried)
+    episodes, workers, across = by_owner(served, "/t"), set(), 0
+    for eid, rows in episodes.items():
+        assert [k for k, _, _ in rows] == list(range(1, len(rows) + 1)), eid
+        ws = {w for _, w, _ in rows}
+        assert len(ws) == 1 and all(r["routing_key"] == eid for _, _, r in rows), (eid, ws)
+        workers |= ws
+        for (_, _, a), (_, _, b) in zip(rows, rows[1:]):
+            assert (
+                b["input_ids"][: len(a["input_ids"]) + len(a["output_ids"])]
+                == a["input_ids"] + a["output_ids"]
+            )
+        across += len({r["weight_versions"][0] for _, _, r in rows if r["output_ids"]}) > 1
+    metrics = list(last_per(run_dir / "metrics.jsonl", "step").values())
+    print(f"sglang partial episodes: {carried}/{trained} carried, {across} episodes served under two versions, "
+          f"turns {[m['env/turns'] for m in metrics]}", file=sys.stderr)  # fmt: skip
+    assert workers == {0, 1} and across > 0 and max(m["env/turns"] for m in metrics) > 1.0
+
+
+@pytest.mark.slow  # two more CLI runs on the embedded engine, ~60 s
+@pytest.mark.parametrize("which", ["single_run", "episode_run"])
+def test_same_ids_and_losses_as_the_embedded_engine(which, request, tmp_path):
+    """The seeded run on rollout=local: same ids issued / trained / carried, same rewards and lengths (the same
+    tokens), and losses within the engines' float32 log-prob differences (old_logp_source=rollout)."""
+    sgl_dir, _ = request.getfixturevalue(which)
+    episodes = which == "episode_run"
+    proc = run(tmp_path, *(EPISODES if episodes else SINGLE), "trainer.deterministic=true", "rollout.max_batch_size=1",
+               plugins=episodes)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert last_per(tmp_path / "partial.jsonl", "round") == last_per(sgl_dir / "partial.jsonl", "round")
+    loc, sgl = last_per(tmp_path / "metrics.jsonl", "step"), last_per(sgl_dir / "metrics.jsonl", "step")
+    assert sorted(loc) == sorted(sgl) == [1, 2, 3, 4]
+    for key in ("reward_mean", "response_len", "partial/carried_tokens", "partial/stale_tokens"):
+        assert [loc[s][key] for s in loc] == [sgl[s][key] for s in sgl], key
+    diffs = [abs(loc[s]["loss"] - sgl[s]["loss"]) for s in loc]
+    print(f"{which}: max |loss local - sglang| = {max(diffs):.3g}; losses {[loc[s]['loss'] for s in loc]}",
+          file=sys.stderr)  # fmt: skip
+    assert max(diffs) == 0.0 and len({round(loc[s]["loss"], 6) for s in loc}) > 2, diffs
