@@ -80,9 +80,12 @@ def router(tmp_path_factory) -> Router:
         yield Router(launcher, logs / "requests")
 
 
-SINGLE = [*SEVENS, *PARTIAL, "trainer.steps=4"]
+# snapshot + a full audit: every carried token scored under its own version's stored weights
+SINGLE = [*SEVENS, *PARTIAL, "trainer.steps=4", "algorithm.old_logp_source=snapshot",
+          "algorithm.old_logp_audit_frac=1.0"]  # fmt: skip
+# staged: the servers release and resume their memory around every update
 EPISODES = [*CALC, "partial_rollout.enabled=true", "partial_rollout.chunk_tokens=8", "partial_rollout.over_issue=2",
-            "trainer.steps=4", "optim.lr=1e-3"]  # fmt: skip
+            "trainer.steps=4", "optim.lr=1e-3", "schedule=staged", "algorithm.updates_per_stage=1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +134,9 @@ def test_single_turn_chunks_continue_on_one_worker(single_run):
             if k < len(rows) - 1:
                 assert len(r["output_ids"]) == 4  # cut by the chunk cap, not finished
             so_far += r["output_ids"]
+    metrics = list(last_per(run_dir / "metrics.jsonl", "step").values())
+    assert max(m["old_logp_error"] for m in metrics) <= 1e-6
+    assert max(m["old_logp_stale_token_frac"] for m in metrics) > 0
     multi = [
         s for s, rows in samples.items() if len({v for _, _, r in rows for v in r["weight_versions"]}) > 1
     ]
