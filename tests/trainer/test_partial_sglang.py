@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from mcore_rl.rollout.sglang.launcher import ROUTER_COMMAND, LauncherConfig, ServerLauncher
 from mcore_rl.rollout.sglang.remote_engine import SGLangEngine
 from tests.config.keyscan import REPO
-from tests.trainer.test_partial_cli import CALC, PARTIAL, SEVENS, check_ids, last_per, run
+from tests.trainer.test_partial_cli import CALC, PARTIAL, SEVENS, check_ids, check_resumed_ids, last_per, run
 
 pytestmark = pytest.mark.rollout
 
@@ -189,3 +189,27 @@ def test_same_ids_and_losses_as_the_embedded_engine(which, request, tmp_path):
     print(f"{which}: max |loss local - sglang| = {max(diffs):.3g}; losses {[loc[s]['loss'] for s in loc]}",
           file=sys.stderr)  # fmt: skip
     assert max(diffs) == 0.0 and len({round(loc[s]["loss"], 6) for s in loc}) > 2, diffs
+
+
+@pytest.mark.faults
+@pytest.mark.slow  # two more CLI runs through the router, ~70 s
+def test_sigkill_and_resume_over_sglang_reproduce_the_run(router, single_run, tmp_path):
+    """Kill right after the step-2 checkpoint (samples carried mid-sample at that moment), resume on the same
+    servers: the resumed run pushes the checkpoint's weights to both workers, continues the carried samples from
+    their stored tokens and reproduces every loss and id of the uninterrupted run (which saved no checkpoint
+    before its end: checkpointing changes nothing either)."""
+    ref_dir, _ = single_run
+    args = [*SINGLE, *router.start_run(tiny_dir("7")), "trainer.save_every=2"]
+    proc = run(tmp_path, *args, env={"MCORE_RL_CRASH_AT": "after_latest:2"})
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    proc = run(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed 2 carried group(s) (8 unfinished samples)" in proc.stderr
+    ref, res = last_per(ref_dir / "metrics.jsonl", "step"), last_per(tmp_path / "metrics.jsonl", "step")
+    assert sorted(res) == [1, 2, 3, 4]
+    diffs = [abs(res[s]["loss"] - ref[s]["loss"]) for s in ref]
+    print(f"sglang resume: max |loss diff| = {max(diffs):.3g}", file=sys.stderr)
+    assert max(diffs) == 0.0 and [res[s]["old_logp_error"] for s in res] == [
+        ref[s]["old_logp_error"] for s in ref
+    ]
+    check_resumed_ids(ref_dir, tmp_path, 4)
