@@ -55,7 +55,7 @@ def post_json(url: str, body: dict) -> dict:
 
 def test_abort_all_replies_like_sglang(routed):
     """A worker updating with abort_all_requests answers its running request with FINISH_ABORT's JSON and the
-    tokens made so far, its queued one with "Abort before prefill" and no output; the update waits for both."""
+    tokens made so far, its queued one with "Abort in waiting queue" and no output; the update waits for both."""
     url = routed.worker_urls[0]
     body = {"input_ids": [7, 8, 9], "return_logprob": True,
             "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "sampling_seed": 1}}
@@ -78,9 +78,12 @@ def test_abort_all_replies_like_sglang(routed):
     n = len(run["output_ids"])
     assert 0 < n < 2000 and run["meta_info"]["completion_tokens"] == n
     assert [t for _, t, _ in run["meta_info"]["output_token_logprobs"]] == run["output_ids"]
-    assert queued["meta_info"]["finish_reason"] == ABORT_QUEUED == {"type": "abort", "message": "Abort before prefill"}
-    assert queued["output_ids"] == [] and queued["text"] == "" and "output_token_logprobs" not in queued["meta_info"]
-    assert queued["meta_info"]["prompt_tokens"] == 0 and queued["meta_info"]["completion_tokens"] == 0
+    assert queued["meta_info"]["finish_reason"] == ABORT_QUEUED == {"type": "abort", "message": "Abort in waiting queue"}
+    assert queued["output_ids"] == [] and queued["text"] == ""
+    meta = queued["meta_info"]  # SGLang 0.5.23's _handle_abort_req: no prompt_tokens, empty log-prob lists
+    assert meta["completion_tokens"] == 0 and "prompt_tokens" not in meta
+    assert meta["output_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 0
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 0}] and meta["weight_version"] == "0"
 
 
 def test_update_restarts_samples_in_flight_through_the_router(engine, routed):
