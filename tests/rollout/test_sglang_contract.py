@@ -454,30 +454,3 @@ def test_flattened_bucket_over_both_transports(server, tiny_model, monkeypatch):
     for got, scale in zip(run(scenario()), (2.0, -1.0, 1.0)):
         for n, t in zip(names, got):
             assert torch.equal(t, (sd[n] * scale).flatten()), (n, scale)
-
-
-def _function(tree: ast.AST, cls: str, name: str) -> ast.FunctionDef:
-    owner = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
-    return next(f for f in owner.body if isinstance(f, ast.FunctionDef) and f.name == name)
-
-
-def test_stand_in_abort_replies_are_sglangs(wheel):
-    """What a partial rollout or an interrupting update gets back for an aborted request: a running one finishes
-    with FINISH_ABORT().to_json() (its tokens so far kept, through the normal output path), a queued one is answered
-    by the tokenizer manager's _handle_abort_req with its default message, no prompt_tokens and no output."""
-    from mcore_rl.rollout.server.codec import ABORT_QUEUED, ABORT_RUNNING
-
-    batch = _tree(wheel, "sglang/srt/managers/schedule_batch.py")
-    to_json = _function(batch, "FINISH_ABORT", "to_json")
-    (reply,) = [n for n in ast.walk(to_json) if isinstance(n, ast.Dict)]
-    assert [k.value for k in reply.keys] == list(ABORT_RUNNING) and reply.values[0].value == ABORT_RUNNING[
-        "type"
-    ]
-    assert ABORT_RUNNING["message"] in strings(
-        _function(batch, "FINISH_ABORT", "__init__")
-    )  # `message or ...`
-    handler = _function(_tree(wheel, "sglang/srt/managers/tokenizer_manager.py"), "TokenizerManager",
-                        "_handle_abort_req")  # fmt: skip
-    said = strings(handler)
-    assert ABORT_QUEUED["message"] in said and {"completion_tokens", "weight_version", "e2e_latency"} <= said
-    assert "prompt_tokens" not in said

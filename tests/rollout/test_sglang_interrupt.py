@@ -7,6 +7,7 @@ stop the run with one line."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import threading
@@ -22,6 +23,7 @@ from mcore_rl.rollout.sglang.api import SAMPLING_FIELDS, SGLANG_FIELDS
 from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
 from mcore_rl.rollout.sglang.remote_engine import SGLangEngine
 from tests.rollout.test_router import trainer_tiny_dir, versions
+from tests.rollout.test_sglang_contract import _tree, strings, wheel  # noqa: F401 (wheel: the fixture)
 
 pytestmark = pytest.mark.rollout
 RECORDED: list[tuple[str, dict]] = []
@@ -230,3 +232,22 @@ def test_interrupt_old_logp_exact_on_sglang(engine, routed, tmp_path):
     assert res["recompute_max_diff_stale"] > 1e-3  # the current weights would be the wrong anchor
     assert res["spanning_rows"] == 0 and m["old_logp_regenerated_samples"] >= 1, res
     assert res["audit_errors"] and max(res["audit_errors"]) <= 1e-6
+
+
+def _function(tree: ast.AST, cls: str, name: str) -> ast.FunctionDef:
+    owner = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(f for f in owner.body if isinstance(f, ast.FunctionDef) and f.name == name)
+
+
+def test_stand_in_abort_replies_are_sglangs(wheel):  # noqa: F811 (the contract tests' wheel fixture)
+    """What a partial rollout or an interrupting update gets back for an aborted request: a running one finishes
+    with FINISH_ABORT().to_json() (its tokens so far kept, through the normal output path), a queued one is answered
+    by the tokenizer manager's _handle_abort_req with its default message, no prompt_tokens and no output."""
+    batch = _tree(wheel, "sglang/srt/managers/schedule_batch.py")
+    (reply,) = [n for n in ast.walk(_function(batch, "FINISH_ABORT", "to_json")) if isinstance(n, ast.Dict)]
+    assert [k.value for k in reply.keys] == list(ABORT_RUNNING) and reply.values[0].value == "abort"
+    assert ABORT_RUNNING["message"] in strings(_function(batch, "FINISH_ABORT", "__init__"))  # `message or "..."`
+    manager = _tree(wheel, "sglang/srt/managers/tokenizer_manager.py")
+    said = strings(_function(manager, "TokenizerManager", "_handle_abort_req"))
+    assert ABORT_QUEUED["message"] in said and {"completion_tokens", "weight_version", "e2e_latency"} <= said
+    assert "prompt_tokens" not in said
