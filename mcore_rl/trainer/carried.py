@@ -47,12 +47,14 @@ class Continuation:
         return self.versions
 
     def request(self, cap: int, max_new_tokens: int, sp: dict[str, Any]) -> GenerationRequest:
-        """The next chunk: at most `cap` tokens (0 = no cap) of what the sample may still generate."""
+        """The next chunk: at most `cap` tokens (0 = no cap) of what the sample may still generate. Its routing key
+        is the sample's id: behind sglang-router's `manual` policy every chunk of a sample goes to the worker that
+        served the earlier ones, whose prefix cache holds the prompt and the tokens so far."""
         left = max_new_tokens - len(self.out)
         seed = None if self.seed is None else self.seed + self.chunks * _CHUNK_STRIDE
         n = min(left, cap) if cap > 0 else left
         return GenerationRequest(self.prompt_ids + self.out, SamplingParams(max_new_tokens=n, seed=seed, **sp),
-                                 rid=f"{self.sid}/c{self.chunks}")  # fmt: skip
+                                 rid=f"{self.sid}/c{self.chunks}", metadata={"routing_key": self.sid})  # fmt: skip
 
     def apply(self, s: Sample, max_new_tokens: int) -> bool:
         """Append a chunk's tokens; False (nothing kept) for an aborted chunk, which is generated again."""

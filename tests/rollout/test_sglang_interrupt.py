@@ -7,6 +7,7 @@ stop the run with one line."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import threading
@@ -22,6 +23,7 @@ from mcore_rl.rollout.sglang.api import SAMPLING_FIELDS, SGLANG_FIELDS
 from mcore_rl.rollout.sglang.launcher import LauncherConfig, ServerLauncher
 from mcore_rl.rollout.sglang.remote_engine import SGLangEngine
 from tests.rollout.test_router import trainer_tiny_dir, versions
+from tests.rollout.test_sglang_contract import _tree, strings, wheel  # noqa: F401 (wheel: the fixture)
 
 pytestmark = pytest.mark.rollout
 RECORDED: list[tuple[str, dict]] = []
@@ -55,7 +57,7 @@ def post_json(url: str, body: dict) -> dict:
 
 def test_abort_all_replies_like_sglang(routed):
     """A worker updating with abort_all_requests answers its running request with FINISH_ABORT's JSON and the
-    tokens made so far, its queued one with "Abort before prefill" and no output; the update waits for both."""
+    tokens made so far, its queued one with "Abort in waiting queue" and no output; the update waits for both."""
     url = routed.worker_urls[0]
     body = {"input_ids": [7, 8, 9], "return_logprob": True,
             "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "sampling_seed": 1}}
@@ -78,9 +80,12 @@ def test_abort_all_replies_like_sglang(routed):
     n = len(run["output_ids"])
     assert 0 < n < 2000 and run["meta_info"]["completion_tokens"] == n
     assert [t for _, t, _ in run["meta_info"]["output_token_logprobs"]] == run["output_ids"]
-    assert queued["meta_info"]["finish_reason"] == ABORT_QUEUED == {"type": "abort", "message": "Abort before prefill"}
-    assert queued["output_ids"] == [] and queued["text"] == "" and "output_token_logprobs" not in queued["meta_info"]
-    assert queued["meta_info"]["prompt_tokens"] == 0 and queued["meta_info"]["completion_tokens"] == 0
+    assert queued["meta_info"]["finish_reason"] == ABORT_QUEUED == {"type": "abort", "message": "Abort in waiting queue"}
+    assert queued["output_ids"] == [] and queued["text"] == ""
+    meta = queued["meta_info"]  # SGLang 0.5.23's _handle_abort_req: no prompt_tokens, empty log-prob lists
+    assert meta["completion_tokens"] == 0 and "prompt_tokens" not in meta
+    assert meta["output_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 0
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 0}] and meta["weight_version"] == "0"
 
 
 def test_update_restarts_samples_in_flight_through_the_router(engine, routed):
@@ -227,3 +232,22 @@ def test_interrupt_old_logp_exact_on_sglang(engine, routed, tmp_path):
     assert res["recompute_max_diff_stale"] > 1e-3  # the current weights would be the wrong anchor
     assert res["spanning_rows"] == 0 and m["old_logp_regenerated_samples"] >= 1, res
     assert res["audit_errors"] and max(res["audit_errors"]) <= 1e-6
+
+
+def _function(tree: ast.AST, cls: str, name: str) -> ast.FunctionDef:
+    owner = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(f for f in owner.body if isinstance(f, ast.FunctionDef) and f.name == name)
+
+
+def test_stand_in_abort_replies_are_sglangs(wheel):  # noqa: F811 (the contract tests' wheel fixture)
+    """What a partial rollout or an interrupting update gets back for an aborted request: a running one finishes
+    with FINISH_ABORT().to_json() (its tokens so far kept, through the normal output path), a queued one is answered
+    by the tokenizer manager's _handle_abort_req with its default message, no prompt_tokens and no output."""
+    batch = _tree(wheel, "sglang/srt/managers/schedule_batch.py")
+    (reply,) = [n for n in ast.walk(_function(batch, "FINISH_ABORT", "to_json")) if isinstance(n, ast.Dict)]
+    assert [k.value for k in reply.keys] == list(ABORT_RUNNING) and reply.values[0].value == "abort"
+    assert ABORT_RUNNING["message"] in strings(_function(batch, "FINISH_ABORT", "__init__"))  # `message or "..."`
+    manager = _tree(wheel, "sglang/srt/managers/tokenizer_manager.py")
+    said = strings(_function(manager, "TokenizerManager", "_handle_abort_req"))
+    assert ABORT_QUEUED["message"] in said and {"completion_tokens", "weight_version", "e2e_latency"} <= said
+    assert "prompt_tokens" not in said

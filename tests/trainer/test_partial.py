@@ -56,6 +56,7 @@ def test_a_continuation_resumes_from_its_tokens_with_the_budget_left():
     )  # an aborted chunk leaves no trace
     req = c.request(cap=4, max_new_tokens=10, sp={"temperature": 1.0, "top_p": 1.0, "stop_token_ids": [0]})
     assert req.prompt_ids == [10, 11, 5, 6, 7, 8] and req.sampling.seed != 1234 and req.rid == "g3#1/c1"
+    assert req.metadata == {"routing_key": "g3#1"}  # every chunk to the worker that holds the sample's prefix
     c.apply(Sample("x", req.prompt_ids, [9, 9, 9, 9], [-2.0] * 4, [4] * 4, "length"), 10)
     req = c.request(cap=4, max_new_tokens=10, sp={"temperature": 1.0, "top_p": 1.0, "stop_token_ids": [0]})
     assert req.sampling.max_new_tokens == 2  # only what is left of max_new_tokens

@@ -135,9 +135,10 @@ def parse_generate(
     return requests, options, single and requests[0].sampling.n == 1
 
 
-# SGLang's aborts: a request still queued is answered by its tokenizer manager ("Abort before prefill", no output);
-# a running one finishes with FINISH_ABORT(message=None).to_json() and keeps the tokens it had produced.
-ABORT_QUEUED = {"type": "abort", "message": "Abort before prefill"}
+# SGLang's aborts: a request still queued is answered by its tokenizer manager's _handle_abort_req ("Abort in
+# waiting queue", no output); a running one finishes with FINISH_ABORT(message=None).to_json() and keeps the tokens
+# it had produced (with their log-probs).
+ABORT_QUEUED = {"type": "abort", "message": "Abort in waiting queue"}
 ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
@@ -161,8 +162,13 @@ def _spans(versions: list[int]) -> list[dict[str, Any]]:
 
 def render_sample(sample: Sample, opts: dict, engine, t0: float) -> dict[str, Any]:
     if sample.finish_reason == "abort" and not sample.output_ids:  # SGLang's _handle_abort_req reply, as is
-        meta = {"id": sample.rid, "finish_reason": dict(ABORT_QUEUED), "prompt_tokens": 0, "completion_tokens": 0,
-                "cached_tokens": 0, "weight_version": str(engine.weight_version)}  # fmt: skip
+        v = str(engine.weight_version)
+        meta = {"id": sample.rid, "finish_reason": dict(ABORT_QUEUED), "weight_version": v,
+                "e2e_latency": time.perf_counter() - t0,
+                "weight_versions": [{"version": v, "start": 0, "end": 0}]}  # fmt: skip
+        if opts["return_logprob"]:  # its add_logprob_to_meta_info over no tokens
+            meta.update(input_token_logprobs=[], output_token_logprobs=[], output_token_logprobs_length=0)
+        meta["completion_tokens"] = 0
         return {"text": "", "output_ids": [], "meta_info": meta}
     tok = engine.tokenizer
     text = sample.text

@@ -2,8 +2,8 @@
 
 Why: those sources need every sample's tokens from ONE weight version. SGLang gives that at a weight update sent
 with `abort_all_requests=true`: it aborts every request in flight (a running one answers finish_reason
-{"type": "abort", "message": "Aborted", ...} with its partial output, a queued one "Abort before prefill" with
-none) and loads the weights under the writer side of its model_update_lock, which every /generate holds the reader
+{"type": "abort", "message": "Aborted", ...} with its partial output, a queued one "Abort in waiting queue"
+with none) and loads the weights under the writer side of its model_update_lock, which every /generate holds the reader
 side of for its whole life. What is left to the client: hold new sends until every worker holds the new version
 (`gate`), and tell a sample aborted by such an update (send it again from its prompt, same sampling_seed) from one
 the caller aborted (return it as an abort).
