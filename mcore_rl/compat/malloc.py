@@ -1,8 +1,15 @@
 """glibc malloc tuning for long CPU training processes.
 
-Why: torch's CPU allocator hands large activation buffers back to glibc, which keeps them in per-thread arenas
-instead of returning them to the OS, so resident memory creeps up step after step (measured on SmolLM2-135M:
-4.2 -> 5.9 GB over four steps). Few arenas and a bounded trim threshold keep it flat (2.5 GB after every step).
+Why: torch's CPU allocator hands every tensor back to glibc when it is freed, and a training step allocates and
+frees the same activation buffers every micro-batch. Two glibc defaults make that expensive:
+- per-thread arenas keep freed buffers instead of returning them, so resident memory creeps up step after step
+  (measured on SmolLM2-135M: 4.2 -> 5.9 GB over four steps): few arenas and a bounded trim threshold keep it flat;
+- setting the trim threshold also freezes glibc's mmap threshold at its 128 KiB start value (glibc only adapts it
+  while no threshold was set by hand), so every buffer above 128 KiB becomes a fresh mmap that the kernel
+  zero-fills page by page on first touch and unmaps at free. A 64 MiB mmap threshold lets those buffers be reused
+  from the heap. Measured (SmolLM2-135M bf16 fwd+bwd+Adam, 32 x 64 tokens, 10 steps, one thread each, same
+  machine): CPU time 204 s -> 157 s (-23%), minor page faults 28.8 M -> 5.7 M; resident memory stays flat
+  (2.77 -> 3.35 GB, unchanged from step 1 to 10; glibc's own defaults use 165 s and creep).
 No-op where glibc's mallopt is unavailable.
 """
 
@@ -12,17 +19,25 @@ import ctypes
 import ctypes.util
 
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 _DONE = False
 
 
-def tune_malloc(arena_max: int = 2, trim_threshold: int = 64 << 20) -> bool:
+def tune_malloc(arena_max: int = 2, trim_threshold: int = 64 << 20, mmap_threshold: int = 64 << 20) -> bool:
     global _DONE
     if _DONE:
         return True
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = bool(libc.mallopt(M_ARENA_MAX, arena_max)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim_threshold))
+        ok = all(
+            bool(libc.mallopt(opt, value))
+            for opt, value in (
+                (M_ARENA_MAX, arena_max),
+                (M_TRIM_THRESHOLD, trim_threshold),
+                (M_MMAP_THRESHOLD, mmap_threshold),
+            )
+        )
     except (OSError, AttributeError):
         return False
     _DONE = ok
