@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from mcore_rl.rollout.local.decode_forward import DecodeForward
 from mcore_rl.rollout.local.kv_cache import KVCache
-from mcore_rl.rollout.local.lm_head import LastLogits
+from mcore_rl.rollout.local.lm_head import LastLogits, head_logits
 
 
 @dataclass
@@ -46,6 +47,7 @@ class DecodeBatch:
     def __init__(self, model: torch.nn.Module, num_layers: int, pad_id: int, device: torch.device) -> None:
         self.model, self.num_layers, self.pad_id, self.device = model, num_layers, pad_id, device
         self.last_logits = LastLogits(model)
+        self.fused: DecodeForward | None = None  # the engine's own decode step (decode_forward.py), when set
         self.rows: list[Any] = []
         self.cache: KVCache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] bool view of _mask_buf: columns each row attends to
@@ -116,6 +118,9 @@ class DecodeBatch:
             self._set_mask(self.mask, 2 * width)
         self._mask_buf[:, width] = True
         self.mask = self._mask_buf[:, : width + 1]
+        if self.fused is not None and self.last_logits.head is not None:
+            hidden = self.fused(self.last, self.pos, self.mask, self.cache)
+            return head_logits(hidden, self.last_logits.head.weight)
         return self.last_logits(
             input_ids=self.last.unsqueeze(1),
             attention_mask=self.mask,

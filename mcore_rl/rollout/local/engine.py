@@ -26,6 +26,7 @@ import torch
 
 from mcore_rl.dtypes import SHORT_OR_LONG, long_name
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
+from mcore_rl.rollout.local.decode_forward import DecodeForward, unsupported
 from mcore_rl.rollout.local.kv_cache import MAX_RESERVE, check_full_attention
 from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample, tokens_left
 from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
@@ -85,6 +86,7 @@ class LocalEngine:
         weight_version: int = 0,
         return_text: bool = True,
         fast_decode: bool = True,
+        fused_forward: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -131,6 +133,7 @@ class LocalEngine:
         self.set_fast_decode(fast_decode)
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
+        self.set_fused_forward(fused_forward)
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
 
@@ -153,6 +156,19 @@ class LocalEngine:
         boolean-indexed path, the reference tests hold the fast one to. Takes effect between decode steps."""
         with self._hold_model():
             self._index_free = bool(enabled)
+
+    def set_fused_forward(self, enabled: bool = True) -> bool:
+        """Decode steps through the engine's own llama-family forward (decode_forward.py) instead of the HF
+        model's; False, or a model it does not cover exactly, runs the HF forward. Returns whether it is on."""
+        with self._hold_model():
+            reason = unsupported(self.model) if enabled else "disabled"
+            if reason is None and self._batch.fused is None:
+                self._batch.fused = DecodeForward(self.model)
+            elif reason is not None:
+                self._batch.fused = None
+                if enabled:
+                    log.info("local engine: HF forward for decode steps (%s)", reason)
+            return self._batch.fused is not None
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -205,6 +221,8 @@ class LocalEngine:
         """Copy HF-named tensors in place. Holds decoding for the whole stream, so no step sees half an update."""
         with self._hold_model():
             n = load_named_tensors(self._params, named_tensors)
+            if self._batch.fused is not None:  # in-place copies land in the fused buffers; re-fuse re-pointed ones
+                self._batch.fused.refresh()
             self._version = int(version)
             if self.interrupt_on_update:
                 self._restart_in_flight()
@@ -251,6 +269,8 @@ class LocalEngine:
         with self._hold_model():
             if self._released and self.device.type == "cuda":
                 self.model.to(self.device)
+                if self._batch.fused is not None:  # .to() re-pointed the parameters at new storage
+                    self._batch.fused.refresh()
         with self._cv:
             self._released = False
             self._cv.notify_all()
