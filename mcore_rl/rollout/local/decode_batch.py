@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.rollout.local.decode_forward import DecodeForward
+from mcore_rl.rollout.local.decode_forward import DecodeForward, unsupported
 from mcore_rl.rollout.local.kv_cache import KVCache
 from mcore_rl.rollout.local.lm_head import LastLogits, head_logits
 
@@ -61,6 +61,22 @@ class DecodeBatch:
     def reset(self) -> None:
         self.rows, self.cache, self.mask, self.pos, self.last = [], None, None, None, None
         self._mask_buf = None
+
+    def use_fused(self, enabled: bool) -> str | None:
+        """Decode through DecodeForward (enabled and the model covered exactly), else the model's own forward.
+        Returns why the fused forward is off, or None when it is on."""
+        reason = "disabled" if not enabled else unsupported(self.model)
+        if reason is None and self.last_logits.head is None:
+            reason = "LM head is not a plain lm_head(hidden)"
+        if reason is None and self.fused is None:
+            self.fused = DecodeForward(self.model)
+        elif reason is not None:
+            self.fused = None
+        return reason
+
+    def refresh_fused(self) -> None:
+        if self.fused is not None:
+            self.fused.refresh()
 
     def _set_mask(self, mask: torch.Tensor, capacity: int) -> None:
         """Copy `mask` into a fresh [B, capacity] buffer; decode steps then extend it in place."""
@@ -118,7 +134,7 @@ class DecodeBatch:
             self._set_mask(self.mask, 2 * width)
         self._mask_buf[:, width] = True
         self.mask = self._mask_buf[:, : width + 1]
-        if self.fused is not None and self.last_logits.head is not None:
+        if self.fused is not None:
             hidden = self.fused(self.last, self.pos, self.mask, self.cache)
             return head_logits(hidden, self.last_logits.head.weight)
         return self.last_logits(

@@ -49,7 +49,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
         missing = [part for part in _LAYER_PARTS if not _has(layer, part)]
         if missing:
             return f"decoder layer without {missing[0]}"
-        if not all(_is_rms_norm(layer.get_submodule(p)) for p in ("input_layernorm", "post_attention_layernorm")):
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(map(_is_rms_norm, norms)):
             return "norm is not an RMSNorm"
     attn = layers[0].self_attn
     head_dim = attn.head_dim
@@ -211,4 +212,3 @@ def _rope(x: torch.Tensor, cos1, cos2, sin1, sin2) -> torch.Tensor:
     torch.sub(x1 * cos1, x2 * sin1, out=out[..., :half])
     torch.add(x2 * cos2, x1 * sin2, out=out[..., half:])
     return out
-

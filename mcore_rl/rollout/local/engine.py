@@ -26,7 +26,6 @@ import torch
 
 from mcore_rl.dtypes import SHORT_OR_LONG, long_name
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
-from mcore_rl.rollout.local.decode_forward import DecodeForward, unsupported
 from mcore_rl.rollout.local.kv_cache import MAX_RESERVE, check_full_attention
 from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample, tokens_left
 from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
@@ -130,10 +129,9 @@ class LocalEngine:
         # worker-owned batch state
         self._model_lock = threading.RLock()
         self._outside_waiters = 0  # callers waiting for _model_lock: the loop lets them in before its next step
-        self.set_fast_decode(fast_decode)
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
-        self.set_fused_forward(fused_forward)
+        self.set_fast_decode(fast_decode, fused_forward)
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
 
@@ -151,24 +149,16 @@ class LocalEngine:
                 self._outside_waiters -= 1
                 self._cv.notify_all()
 
-    def set_fast_decode(self, enabled: bool = True) -> None:
-        """Index-free sampling (token_sampler.py; bitwise the same tokens and log-probs). False: the plain
-        boolean-indexed path, the reference tests hold the fast one to. Takes effect between decode steps."""
+    def set_fast_decode(self, sampling: bool = True, forward: bool = True) -> bool:
+        """sampling: index-free sampling (token_sampler.py; bitwise the same tokens and log-probs as False).
+        forward: decode steps through our own llama-family forward (decode_forward.py); False, or a model it does
+        not cover exactly: the HF forward (the reference). Between steps; returns whether `forward` is on."""
         with self._hold_model():
-            self._index_free = bool(enabled)
-
-    def set_fused_forward(self, enabled: bool = True) -> bool:
-        """Decode steps through the engine's own llama-family forward (decode_forward.py) instead of the HF
-        model's; False, or a model it does not cover exactly, runs the HF forward. Returns whether it is on."""
-        with self._hold_model():
-            reason = unsupported(self.model) if enabled else "disabled"
-            if reason is None and self._batch.fused is None:
-                self._batch.fused = DecodeForward(self.model)
-            elif reason is not None:
-                self._batch.fused = None
-                if enabled:
-                    log.info("local engine: HF forward for decode steps (%s)", reason)
-            return self._batch.fused is not None
+            self._index_free = bool(sampling)
+            reason = self._batch.use_fused(forward)
+        if forward and reason:
+            log.info("local engine: HF forward for decode steps (%s)", reason)
+        return reason is None
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -221,8 +211,7 @@ class LocalEngine:
         """Copy HF-named tensors in place. Holds decoding for the whole stream, so no step sees half an update."""
         with self._hold_model():
             n = load_named_tensors(self._params, named_tensors)
-            if self._batch.fused is not None:  # in-place copies land in the fused buffers; re-fuse re-pointed ones
-                self._batch.fused.refresh()
+            self._batch.refresh_fused()  # in-place copies land in the fused buffers; re-fuse re-pointed ones
             self._version = int(version)
             if self.interrupt_on_update:
                 self._restart_in_flight()
@@ -269,8 +258,7 @@ class LocalEngine:
         with self._hold_model():
             if self._released and self.device.type == "cuda":
                 self.model.to(self.device)
-                if self._batch.fused is not None:  # .to() re-pointed the parameters at new storage
-                    self._batch.fused.refresh()
+                self._batch.refresh_fused()  # .to() re-pointed the parameters at new storage
         with self._cv:
             self._released = False
             self._cv.notify_all()
@@ -307,16 +295,8 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ rows (rules in rows.py)
     def _make_row(self, req: GenerationRequest, j: int) -> Row:
-        return make_row(
-            req,
-            j,
-            eos=self._eos,
-            max_len=self._max_len,
-            vocab=self._vocab,
-            has_tokenizer=self.tokenizer is not None,
-            seed_rng=self._seed_rng,
-            model_path=self.model_path,
-        )
+        return make_row(req, j, eos=self._eos, max_len=self._max_len, vocab=self._vocab, seed_rng=self._seed_rng,
+                        has_tokenizer=self.tokenizer is not None, model_path=self.model_path)  # fmt: skip
 
     def _to_sample(self, row: Row) -> Sample:
         return to_sample(row, self.tokenizer, self.return_text)
