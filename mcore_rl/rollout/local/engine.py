@@ -98,10 +98,9 @@ class LocalEngine:
         if dtype != "auto" and dtype not in SHORT_OR_LONG:
             raise ValueError(f"rollout.dtype={dtype!r}: expected auto, float32, bfloat16 or float16")
         name = "float32" if dtype == "auto" else long_name(dtype)  # standalone: fp32 (a run resolves auto first)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, name), attn_implementation="sdpa"
-        ).to(self.device)
-        self.model.eval()
+        torch_dtype = getattr(torch, name)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation="sdpa")
+        self.model = model.to(self.device).eval()
         check_full_attention(self.model.config)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
