@@ -58,7 +58,15 @@ def _max_logprob_diff(model, samples) -> float:
     )
 
 
-@pytest.mark.parametrize("name", list(COVERED))
+# the fused forward runs these through the same code as the default-suite cases (the model's own rotary module)
+SLOW = {"llama3-rope", "linear-rope", "mistral-no-window", "qwen2-window"}
+
+
+def _params(names):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
+@pytest.mark.parametrize("name", _params(COVERED))
 def test_fused_forward_equals_transformers(name, tmp_path):
     folder = _folder(tmp_path, *COVERED[name])
     with LocalEngine(str(folder)) as eng:
@@ -73,7 +81,7 @@ def test_fused_forward_equals_transformers(name, tmp_path):
     assert lp.abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("name", list(WINDOWED))
+@pytest.mark.parametrize("name", _params(WINDOWED))
 def test_sliding_windows_run_the_hf_forward(name, tmp_path):
     folder = _folder(tmp_path, *WINDOWED[name])
     with LocalEngine(str(folder)) as eng:
