@@ -2,6 +2,7 @@
 
     python benchmarks/rollout_engine.py [--prompts 16] [--n 4] [--new-tokens 96] [--dtypes auto] [--device cpu]
     python benchmarks/rollout_engine.py --device cuda --prompts 64 --n 8
+    python benchmarks/rollout_engine.py --forwards fused,hf   # the engine's own decode step vs the HF forward
 
 Prints, for the machine at hand: the measured matmul GFLOP/s per dtype and the read bandwidth; then per dtype
 (`auto`: float32, plus bfloat16 where its matmul is >= 1.5x float32's, i.e. where bf16 is fast) and workload
@@ -127,44 +128,52 @@ def bench_dtype(args, path: str, dtype: str, mm: Rate, bw: Rate, device: torch.d
         run_hf(model, prompts[:2], 1, 4, args.temperature, eos, True)  # warm-up, not timed
         run_engine(engine, prompts[:2], 1, 4, args.temperature, True)
         for workload in args.workloads.split(","):
-            decode, best = measure_workload(args, engine, prompts, eos, workload, dtype)
-            report(dtype, workload, DecodeCost.of(model), decode, best, mm, bw, device)
+            per_forward, hf_best = measure_workload(args, engine, prompts, eos, workload, dtype)
+            for fwd, (decode, best) in per_forward.items():
+                report(dtype, workload, fwd, DecodeCost.of(model), decode, best, hf_best, mm, bw, device)
     finally:
         engine.close()
 
 
-def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str) -> tuple[tuple, dict]:
-    """Alternate HF and engine runs. Returns the engine's fastest decode (tok/s, tok/CPU-s, its steps as
-    (rows, kv_len)) and the best end-to-end (tok/s, tok/CPU-s) of each side."""
+def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str) -> tuple[dict, tuple]:
+    """Alternate HF and engine runs (the engine once per decode forward of --forwards). Returns per forward the
+    engine's fastest decode (tok/s, tok/CPU-s, its steps as (rows, kv_len)) and best end-to-end (tok/s,
+    tok/CPU-s), and transformers' best end-to-end."""
     fixed, model, device = workload == "fixed", engine.model, engine.device
     hf_args = (model, prompts, args.n, args.new_tokens, args.temperature, eos, fixed)
     en_args = (engine, prompts, args.n, args.new_tokens, args.temperature, fixed)
-    best = {"hf": (0.0, 0.0), "engine": (0.0, 0.0)}
-    decode = (0.0, 0.0, [])
+    forwards = args.forwards.split(",")
+    hf_best, out = (0.0, 0.0), {f: ((0.0, 0.0, []), (0.0, 0.0)) for f in forwards}
     for r in range(args.repeats):
         hf_n, hf_dt, hf_dc = timed(run_hf, device, *hf_args)
-        s = engine.stats
-        s0 = (s.decode_tokens, s.decode_s, s.decode_cpu_s, len(s.batch_sizes))
-        en_n, en_dt, en_dc = timed(run_engine, device, *en_args)
-        d_tok, d_s, d_cpu = s.decode_tokens - s0[0], s.decode_s - s0[1], s.decode_cpu_s - s0[2]
-        steps = list(zip(list(s.batch_sizes)[s0[3] :], list(s.kv_lengths)[s0[3] :]))
-        print(
-            f"  {dtype} {workload} run {r}: hf {hf_n} tok in {hf_dt:.2f} s ({hf_n / hf_dc:.1f} tok/CPU-s); "
-            f"engine {en_n} tok in {en_dt:.2f} s ({en_n / en_dc:.1f} tok/CPU-s), decode {d_tok} tok in "
-            f"{d_s:.2f} s ({d_cpu:.2f} CPU-s) over {len(steps)} steps, prefill {s.prefill_s:.2f} s cumulative"
-        )
-        best["hf"] = max(best["hf"][0], hf_n / hf_dt), max(best["hf"][1], hf_n / hf_dc)
-        best["engine"] = max(best["engine"][0], en_n / en_dt), max(best["engine"][1], en_n / en_dc)
-        if d_tok / d_s > decode[0]:
-            decode = (d_tok / d_s, d_tok / max(d_cpu, 1e-9), steps)
-    return decode, best
+        hf_best = max(hf_best[0], hf_n / hf_dt), max(hf_best[1], hf_n / hf_dc)
+        print(f"  {dtype} {workload} run {r}: transformers.generate {hf_n} tok in {hf_dt:.2f} s "
+              f"({hf_n / hf_dc:.1f} tok/CPU-s)")  # fmt: skip
+        for fwd in forwards:
+            on = engine.set_fast_decode(forward=fwd == "fused")
+            s = engine.stats
+            s0 = (s.decode_tokens, s.decode_s, s.decode_cpu_s, len(s.batch_sizes))
+            en_n, en_dt, en_dc = timed(run_engine, device, *en_args)
+            d_tok, d_s, d_cpu = s.decode_tokens - s0[0], s.decode_s - s0[1], s.decode_cpu_s - s0[2]
+            steps = list(zip(list(s.batch_sizes)[s0[3] :], list(s.kv_lengths)[s0[3] :]))
+            print(
+                f"  {dtype} {workload} run {r}: engine ({fwd} forward{'' if on == (fwd == 'fused') else ' N/A'}) "
+                f"{en_n} tok in {en_dt:.2f} s ({en_n / en_dc:.1f} tok/CPU-s), decode {d_tok} tok in {d_s:.2f} s "
+                f"({d_cpu:.2f} CPU-s) over {len(steps)} steps"
+            )
+            decode, best = out[fwd]
+            best = max(best[0], en_n / en_dt), max(best[1], en_n / en_dc)
+            if d_tok / d_s > decode[0]:
+                decode = (d_tok / d_s, d_tok / max(d_cpu, 1e-9), steps)
+            out[fwd] = decode, best
+    return out, hf_best
 
 
-def report(dtype, workload, cost, decode, best, mm: Rate, bw: Rate, device) -> None:
+def report(dtype, workload, fwd, cost, decode, best, hf_best, mm: Rate, bw: Rate, device) -> None:
     rate, cpu_rate, steps = decode
     roof = decode_roofline(cost, steps, mm.wall, bw.wall)
     bound = "compute" if roof.compute_s >= roof.memory_s else "weight+KV streaming"
-    tag = f"[{dtype} {workload}]"
+    tag = f"[{dtype} {workload} {fwd}]"
     print(
         f"RESULT {tag} decode roofline {roof.tokens_per_s:.1f} tok/s ({bound}-bound: compute {roof.compute_s:.2f} s, "
         f"streaming {roof.memory_s:.2f} s for {roof.tokens} tokens over {len(steps)} steps, "
@@ -177,7 +186,7 @@ def report(dtype, workload, cost, decode, best, mm: Rate, bw: Rate, device) -> N
             f"RESULT {tag} per CPU-second: engine decode {cpu_rate:.1f} tok/CPU-s, roofline "
             f"{roof_cpu.tokens_per_s:.1f} = {cpu_rate / roof_cpu.tokens_per_s:.0%}"
         )
-    (hw, hc), (ew, ec) = best["hf"], best["engine"]
+    (hw, hc), (ew, ec) = hf_best, best
     print(
         f"RESULT {tag} end-to-end: engine {ew:.1f} tok/s vs transformers.generate {hw:.1f} tok/s = {ew / hw:.2f}x"
         + (f"  (per CPU-s {ec:.1f} vs {hc:.1f} = {ec / hc:.2f}x)" if device.type == "cpu" else "")
@@ -197,6 +206,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--forwards", default="fused", help="comma list: fused (our decode step) / hf (the HF forward)"
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args()
     if args.threads:

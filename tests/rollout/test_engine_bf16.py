@@ -29,7 +29,7 @@ def test_index_free_sampling_is_bitwise_the_plain_path(tiny_dir, dtype):
     eng = LocalEngine(str(tiny_dir), dtype=dtype)
     try:
         fast = eng.generate(_requests(temperature=0.9, max_new_tokens=12))
-        eng.set_fast_decode(False)
+        eng.set_fast_decode(sampling=False)
         plain = eng.generate(_requests(temperature=0.9, max_new_tokens=12))
     finally:
         eng.close()

@@ -124,3 +124,28 @@ def test_roofline_arithmetic(tiny_model):
     assert roof.compute_s == pytest.approx(sum(c)) and roof.memory_s == pytest.approx(sum(m))
     assert roof.bound_s == pytest.approx(max(c[0], m[0]) + max(c[1], m[1]))
     assert roof.tokens_per_s == pytest.approx(4 / roof.bound_s)
+
+
+def test_one_matmul_probe_serves_auto_and_the_roofline(monkeypatch):
+    """`model.dtype=auto`'s probe (policy/precision.matmul_gflops) and the engine roofline's square probe both time
+    `torch.mm` through precision.time_matmul: with clocks that advance 0.25 s (wall) and 0.5 s (CPU) per
+    reading, both report 2*m*k*n FLOP per 0.25 s wall / 0.5 s CPU, best of the calls."""
+    from mcore_rl.policy import precision
+    from mcore_rl.rollout.local import roofline
+
+    ticks = {"wall": 0.0, "cpu": 0.0}
+
+    def clock(name: str, step: float):
+        def now() -> float:
+            ticks[name] += step
+            return ticks[name]
+
+        return now
+
+    monkeypatch.setattr(precision.time, "perf_counter", clock("wall", 0.25))
+    monkeypatch.setattr(precision.time, "process_time", clock("cpu", 0.5))
+    auto = precision.matmul_gflops(torch.float32, m=32, k=16, n=8, min_time=1.0)
+    assert auto == pytest.approx(2 * 32 * 16 * 8 / 1e9 / 0.25)
+    square = roofline.matmul_gflops(torch.device("cpu"), torch.float32, size=16, repeats=3)
+    assert square.wall == pytest.approx(2 * 16**3 / 1e9 / 0.25)
+    assert square.cpu == pytest.approx(2 * 16**3 / 1e9 / 0.5)

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from mcore_rl.rollout.local.decode_forward import DecodeForward, unsupported
 from mcore_rl.rollout.local.kv_cache import KVCache
-from mcore_rl.rollout.local.lm_head import LastLogits
+from mcore_rl.rollout.local.lm_head import LastLogits, head_logits
 
 
 @dataclass
@@ -46,6 +47,7 @@ class DecodeBatch:
     def __init__(self, model: torch.nn.Module, num_layers: int, pad_id: int, device: torch.device) -> None:
         self.model, self.num_layers, self.pad_id, self.device = model, num_layers, pad_id, device
         self.last_logits = LastLogits(model)
+        self.fused: DecodeForward | None = None  # the engine's own decode step (decode_forward.py), when set
         self.rows: list[Any] = []
         self.cache: KVCache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] bool view of _mask_buf: columns each row attends to
@@ -59,6 +61,22 @@ class DecodeBatch:
     def reset(self) -> None:
         self.rows, self.cache, self.mask, self.pos, self.last = [], None, None, None, None
         self._mask_buf = None
+
+    def use_fused(self, enabled: bool) -> str | None:
+        """Decode through DecodeForward (enabled and the model covered exactly), else the model's own forward.
+        Returns why the fused forward is off, or None when it is on."""
+        reason = "disabled" if not enabled else unsupported(self.model)
+        if reason is None and self.last_logits.head is None:
+            reason = "LM head is not a plain lm_head(hidden)"
+        if reason is None and self.fused is None:
+            self.fused = DecodeForward(self.model)
+        elif reason is not None:
+            self.fused = None
+        return reason
+
+    def refresh_fused(self) -> None:
+        if self.fused is not None:
+            self.fused.refresh()
 
     def _set_mask(self, mask: torch.Tensor, capacity: int) -> None:
         """Copy `mask` into a fresh [B, capacity] buffer; decode steps then extend it in place."""
@@ -116,6 +134,9 @@ class DecodeBatch:
             self._set_mask(self.mask, 2 * width)
         self._mask_buf[:, width] = True
         self.mask = self._mask_buf[:, : width + 1]
+        if self.fused is not None:
+            hidden = self.fused(self.last, self.pos, self.mask, self.cache)
+            return head_logits(hidden, self.last_logits.head.weight)
         return self.last_logits(
             input_ids=self.last.unsqueeze(1),
             attention_mask=self.mask,

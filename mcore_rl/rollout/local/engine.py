@@ -85,6 +85,7 @@ class LocalEngine:
         weight_version: int = 0,
         return_text: bool = True,
         fast_decode: bool = True,
+        fused_forward: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -97,10 +98,9 @@ class LocalEngine:
         if dtype != "auto" and dtype not in SHORT_OR_LONG:
             raise ValueError(f"rollout.dtype={dtype!r}: expected auto, float32, bfloat16 or float16")
         name = "float32" if dtype == "auto" else long_name(dtype)  # standalone: fp32 (a run resolves auto first)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, name), attn_implementation="sdpa"
-        ).to(self.device)
-        self.model.eval()
+        torch_dtype = getattr(torch, name)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation="sdpa")
+        self.model = model.to(self.device).eval()
         check_full_attention(self.model.config)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -128,9 +128,9 @@ class LocalEngine:
         # worker-owned batch state
         self._model_lock = threading.RLock()
         self._outside_waiters = 0  # callers waiting for _model_lock: the loop lets them in before its next step
-        self.set_fast_decode(fast_decode)
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
+        self.set_fast_decode(fast_decode, fused_forward)
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
 
@@ -148,11 +148,16 @@ class LocalEngine:
                 self._outside_waiters -= 1
                 self._cv.notify_all()
 
-    def set_fast_decode(self, enabled: bool = True) -> None:
-        """Index-free sampling (token_sampler.py; bitwise the same tokens and log-probs). False: the plain
-        boolean-indexed path, the reference tests hold the fast one to. Takes effect between decode steps."""
+    def set_fast_decode(self, sampling: bool = True, forward: bool = True) -> bool:
+        """sampling: index-free sampling (token_sampler.py; bitwise the same tokens and log-probs as False).
+        forward: decode steps through our own llama-family forward (decode_forward.py); False, or a model it does
+        not cover exactly: the HF forward (the reference). Between steps; returns whether `forward` is on."""
         with self._hold_model():
-            self._index_free = bool(enabled)
+            self._index_free = bool(sampling)
+            reason = self._batch.use_fused(forward)
+        if forward and reason:
+            log.info("local engine: HF forward for decode steps (%s)", reason)
+        return reason is None
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -205,6 +210,7 @@ class LocalEngine:
         """Copy HF-named tensors in place. Holds decoding for the whole stream, so no step sees half an update."""
         with self._hold_model():
             n = load_named_tensors(self._params, named_tensors)
+            self._batch.refresh_fused()  # in-place copies land in the fused buffers; re-fuse re-pointed ones
             self._version = int(version)
             if self.interrupt_on_update:
                 self._restart_in_flight()
@@ -251,6 +257,7 @@ class LocalEngine:
         with self._hold_model():
             if self._released and self.device.type == "cuda":
                 self.model.to(self.device)
+                self._batch.refresh_fused()  # .to() re-pointed the parameters at new storage
         with self._cv:
             self._released = False
             self._cv.notify_all()
@@ -287,16 +294,8 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ rows (rules in rows.py)
     def _make_row(self, req: GenerationRequest, j: int) -> Row:
-        return make_row(
-            req,
-            j,
-            eos=self._eos,
-            max_len=self._max_len,
-            vocab=self._vocab,
-            has_tokenizer=self.tokenizer is not None,
-            seed_rng=self._seed_rng,
-            model_path=self.model_path,
-        )
+        return make_row(req, j, eos=self._eos, max_len=self._max_len, vocab=self._vocab, seed_rng=self._seed_rng,
+                        has_tokenizer=self.tokenizer is not None, model_path=self.model_path)  # fmt: skip
 
     def _to_sample(self, row: Row) -> Sample:
         return to_sample(row, self.tokenizer, self.return_text)

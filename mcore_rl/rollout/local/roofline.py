@@ -15,14 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class Rate:
-    """A measured rate per wall-clock second and per process CPU-second (the second is the steadier one on a
-    machine shared with other jobs; on a GPU it is meaningless and only the wall rate is used)."""
-
-    wall: float
-    cpu: float
+from mcore_rl.policy.precision import Rate, time_matmul
 
 
 def _sync(device: torch.device) -> None:
@@ -45,10 +38,9 @@ def _best_of(fn, device: torch.device, amount: float, repeats: int) -> Rate:
 
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> Rate:
-    """GFLOP/s of a square `torch.mm` (the machine's achievable matmul peak in this dtype)."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    return _best_of(lambda: torch.mm(a, b), device, 2 * size**3 / 1e9, repeats)
+    """GFLOP/s of a square `torch.mm` (the machine's achievable matmul peak in this dtype), through the
+    project's one matmul probe (`policy/precision.time_matmul`)."""
+    return time_matmul(dtype, size, size, size, device, min_time=0.0, repeats=repeats)
 
 
 def bandwidth_gbs(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> Rate:
