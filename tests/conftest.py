@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,33 @@ def smollm2_dir() -> Path:
         return materialize_smollm2()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One command line's outcome from `run_train_batch` (what `subprocess.CompletedProcess` gives a test)."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def run_train_batch(runs: list[list[str]], scratch: Path, timeout: int = 1800) -> list[TrainResult]:
+    """`mcore-rl-train ARGS` for each ARGS, in order, in one fresh interpreter (tests/train_batch.py: one
+    torch/Megatron start-up and one reward forkserver for them all). Exit codes are returned, not asserted."""
+    job = scratch / "train_calls.json"
+    job.write_text(json.dumps([list(map(str, args)) for args in runs]))
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": pythonpath}
+    proc = subprocess.run([sys.executable, "-m", "tests.train_batch", str(job)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"train batch died ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    done = json.loads(job.with_name(job.name + ".out").read_text())
+    return [TrainResult(r["argv"], r["rc"], r["stdout"], r["stderr"], r["seconds"]) for r in done]
 
 
 def run_torchrun(nproc: int, script: Path | str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -4,8 +4,6 @@ validates, and holds no key that no dataclass declares; bad keys and values fail
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -16,7 +14,8 @@ from mcore_rl.data.registry import DATASETS, SAMPLER_KEYS
 from mcore_rl.rewards.format_reward import FormatConfig
 from mcore_rl.rewards.verifier import MathVerifyConfig
 from mcore_rl.utils import config_from_dict
-from tests.config.keyscan import CONF, REPO, compose, group_options, option_overrides
+from tests.config.keyscan import CONF, compose, group_options, option_overrides
+from tests.conftest import run_train_batch
 
 # the dataclass each reward part's options are built into (rewards/registry.py)
 REWARD_CONFIGS = {"math_verify": MathVerifyConfig, "format": FormatConfig}
@@ -116,15 +115,25 @@ def test_validation_is_one_line_naming_the_key(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("override,needle", [
+MISSPELLED = [
     ("trainer.stpes=3", "config error: Could not override 'trainer.stpes'; Key 'stpes' not in 'TrainerConfig'"),
     ("+trainer.stpes=3", "config error: trainer.stpes: Key 'stpes' not in 'TrainerConfig'"),
     ("trainer.steps=many", "config error: Error merging override trainer.steps=many"),
-])
-def test_cli_misspelled_key_one_line_exit_2(override, needle, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mcore_rl.train", "model=tiny", override, f"run.dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+]
+
+
+@pytest.fixture(scope="module")
+def misspelled_runs(tmp_path_factory) -> dict:
+    """The three command lines through the CLI's main() in one interpreter (tests/train_batch.py)."""
+    root = tmp_path_factory.mktemp("misspelled")
+    runs = [["model=tiny", override, f"run.dir={root / str(i)}"] for i, (override, _) in enumerate(MISSPELLED)]
+    return dict(zip((o for o, _ in MISSPELLED), run_train_batch(runs, root)))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("override,needle", MISSPELLED)
+def test_cli_misspelled_key_one_line_exit_2(override, needle, misspelled_runs):
+    proc = misspelled_runs[override]
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "config error" in ln]  # torch's CUDA wheel may log a warning after it

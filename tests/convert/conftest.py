@@ -5,9 +5,11 @@ Megatron work always runs in a subprocess (the CLI), so the CPU shim and process
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -89,13 +91,36 @@ def run_cli(*args: str, rc: int | None = 0, timeout: int = 300) -> subprocess.Co
     return proc
 
 
+@dataclass(frozen=True)
+class CliResult:
+    """One command's outcome from `run_cli_batch` (what `subprocess.CompletedProcess` gives `run_cli`)."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli_batch(calls: list[list], scratch: Path, timeout: int = 600) -> list[CliResult]:
+    """`mcore-rl-convert --quiet ARGS` for each ARGS, in order, in one fresh interpreter (tests/convert/cli_batch.py:
+    one torch/Megatron start-up for them all). Exit codes are returned, not asserted."""
+    job = scratch / "calls.json"
+    job.write_text(json.dumps([["--quiet", *map(str, args)] for args in calls]))
+    proc = subprocess.run([sys.executable, "-m", "tests.convert.cli_batch", str(job)], capture_output=True,
+                          text=True, timeout=timeout, env=_env(), cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"cli batch died ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    done = json.loads(job.with_name(job.name + ".out").read_text())
+    return [CliResult(r["argv"], r["rc"], r["stdout"], r["stderr"]) for r in done]
+
+
 def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a snippet in a fresh interpreter (failure injection without touching this process)."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                           env=_env(), cwd=REPO)
 
 
-def max_logit_diff(proc: subprocess.CompletedProcess) -> float:
+def max_logit_diff(proc: subprocess.CompletedProcess | CliResult) -> float:
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("max_abs_logit_diff="))
     return float(line.split()[0].split("=")[1])
 

@@ -6,10 +6,20 @@ back bit-exact."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 from mcore_rl.convert.cli import main
-from tests.convert.conftest import assert_same_hf_tensors, max_logit_diff, run_cli, save_random_model
+from tests.convert.conftest import (
+    assert_same_hf_tensors,
+    max_logit_diff,
+    run_cli,
+    run_cli_batch,
+    save_random_model,
+)
 
 pytestmark = pytest.mark.convert
 slow = pytest.mark.slow
@@ -94,36 +104,65 @@ CONFIGS = {"llama3": llama3_config, "linear": linear_config, "qwen3-yarn": qwen3
 NAMES = list(CONFIGS)
 
 
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    """A copy of HF folder `src` whose config.json has `changes` applied (same weights, other architecture)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dst
+
+
+def _verify_args(hf, ckpt, tokens: int, tp: int = 1, pp: int = 1) -> list:
+    return ["verify", "--hf", hf, "--ckpt", ckpt, "--tokens", tokens, "--tp", tp, "--pp", pp, "--tol", TOL]
+
+
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """name -> (hf folder, checkpoint written at TP=1), built on first use."""
-    cache: dict[str, tuple] = {}
+def families(tmp_path_factory) -> dict:
+    """Every family converted at TP=1 and checked against transformers on the LONG prompt, and the two controls
+    below, as CLI commands in one interpreter (run_cli_batch: one start-up instead of twenty)."""
+    root = tmp_path_factory.mktemp("families")
+    hf = {n: save_random_model(root / n / "hf", CONFIGS[n](), seed=7) for n in NAMES}
+    ckpt = {n: root / n / "ckpt" for n in NAMES}
+    plain = _with_config(hf["llama3"], root / "plain", rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    uniform = _with_config(hf["qwen2-window"], root / "uniform", layer_types=["sliding_attention"] * 2)
+    calls = [["hf-to-mcore", "--hf", hf[n], "--out", ckpt[n]] for n in NAMES]
+    calls += [_verify_args(hf[n], ckpt[n], LONG) for n in NAMES]
+    calls += [_verify_args(plain, ckpt["llama3"], LONG), _verify_args(uniform, ckpt["qwen2-window"], LONG)]
+    res = run_cli_batch(calls, root)
+    for r in res[: len(NAMES)]:
+        assert r.returncode == 0, f"{r.args}: {r.stderr[-3000:]}"
+    return {"hf": hf, "ckpt": ckpt, "verify": dict(zip(NAMES, res[len(NAMES): 2 * len(NAMES)])),
+            "plain": res[-2], "uniform": res[-1]}
 
-    def get(name: str):
-        if name not in cache:
-            root = tmp_path_factory.mktemp(name)
-            hf = save_random_model(root / "hf", CONFIGS[name](), seed=7)
-            run_cli("hf-to-mcore", "--hf", hf, "--out", root / "ckpt")
-            cache[name] = (hf, root / "ckpt")
-        return cache[name]
 
-    return get
+@pytest.fixture(scope="module")
+def converted(families):
+    """name -> (hf folder, checkpoint written at TP=1)."""
+    return lambda name: (families["hf"][name], families["ckpt"][name])
 
 
 def _verify(hf, ckpt, tokens: int, tp: int = 1, pp: int = 1) -> float:
-    proc = run_cli("verify", "--hf", hf, "--ckpt", ckpt, "--tokens", tokens, "--tp", tp, "--pp", pp,
-                   "--tol", TOL)
+    return _checked(run_cli(*_verify_args(hf, ckpt, tokens, tp, pp)), tokens)
+
+
+def _checked(proc, tokens: int) -> float:
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.rstrip().endswith("OK") and f"tokens={tokens}" in proc.stdout
     return max_logit_diff(proc)
 
 
 @pytest.mark.parametrize("name", NAMES)
-# 48 tokens: slow. The LONG prompt checks every position from 0 on in the same forward, so its positions 0..47
-# (inside the original context and the window) are the short prompt's check; one CLI launch per family less.
-@pytest.mark.parametrize("tokens", [pytest.param(48, marks=slow), LONG])
-def test_logits_match_transformers_tp1(converted, name, tokens):
+def test_logits_match_transformers_tp1(families, name):
+    """The LONG prompt checks every position from 0 on in one forward: positions 0..47 (inside the original
+    context and the window) are the short prompt's check below."""
+    assert _checked(families["verify"][name], LONG) <= TOL
+
+
+@slow
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers_short_prompt(converted, name):
     hf, ckpt = converted(name)
-    assert _verify(hf, ckpt, tokens) <= TOL
+    assert _verify(hf, ckpt, 48) <= TOL
 
 
 @slow
@@ -141,33 +180,17 @@ def test_round_trip_bit_exact(converted, name, tmp_path):
     assert assert_same_hf_tensors(hf, tmp_path / "back") >= 2 * 9
 
 
-def test_rope_scaling_changes_the_long_logits(converted, tmp_path):
+def test_rope_scaling_changes_the_long_logits(families):
     """The llama3 bands matter: the same weights under plain RoPE differ from transformers' llama3 logits on the
     long prompt, so the exactness above is not an accident of tiny frequencies."""
-    import json
-    import shutil
-
-    hf, ckpt = converted("llama3")
-    plain = tmp_path / "plain"
-    shutil.copytree(hf, plain)
-    cfg = json.loads((plain / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-    (plain / "config.json").write_text(json.dumps(cfg))
-    proc = run_cli("verify", "--hf", plain, "--ckpt", ckpt, "--tokens", LONG, "--tol", TOL, rc=1)
+    proc = families["plain"]
+    assert proc.returncode == 1 and proc.stdout.rstrip().endswith("FAIL"), proc.stdout + proc.stderr[-2000:]
     assert max_logit_diff(proc) > 1e-2
 
 
-def test_per_layer_windows_matter(converted, tmp_path):
+def test_per_layer_windows_matter(families):
     """Qwen2's window sits on layer 1 only: the same weights with the window on every layer (a Mistral-style
     uniform window) differ from transformers' logits on the long prompt, so the per-layer list is really read."""
-    import json
-    import shutil
-
-    hf, ckpt = converted("qwen2-window")
-    uniform = tmp_path / "uniform"
-    shutil.copytree(hf, uniform)
-    cfg = json.loads((uniform / "config.json").read_text())
-    cfg["layer_types"] = ["sliding_attention"] * 2
-    (uniform / "config.json").write_text(json.dumps(cfg))
-    proc = run_cli("verify", "--hf", uniform, "--ckpt", ckpt, "--tokens", LONG, "--tol", TOL, rc=1)
+    proc = families["uniform"]
+    assert proc.returncode == 1 and proc.stdout.rstrip().endswith("FAIL"), proc.stdout + proc.stderr[-2000:]
     assert max_logit_diff(proc) > 1e-2

@@ -14,6 +14,7 @@ from tests.convert.conftest import (
     max_logit_diff,
     qwen3_moe_config,
     run_cli,
+    run_cli_batch,
     save_random_model,
 )
 
@@ -61,34 +62,52 @@ def test_dense_layers_follow_hf_rule():
             assert (f"decoder.layers.{i}.mlp.router.weight" in names) == (i not in dense)
 
 
+def _verify_args(hf, ckpt, tokens: int, tol: float, tp: int = 1, pp: int = 1, ep: int = 1) -> list:
+    return ["verify", "--hf", hf, "--ckpt", ckpt, "--tokens", tokens, "--tp", tp, "--pp", pp, "--ep", ep,
+            "--tol", tol]
+
+
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    cache: dict[str, tuple] = {}
+def layouts(tmp_path_factory) -> dict:
+    """Each layout converted at TP=1 and checked on the 1100-token prompt, as CLI commands in one interpreter
+    (run_cli_batch: one start-up instead of six)."""
+    root = tmp_path_factory.mktemp("moe_layouts")
+    hf = {n: save_random_model(root / n / "hf", make(), seed=11) for n, make in CONFIGS.items()}
+    ckpt = {n: root / n / "ckpt" for n in CONFIGS}
+    calls = [["hf-to-mcore", "--hf", hf[n], "--out", ckpt[n]] for n in CONFIGS]
+    calls += [_verify_args(hf[n], ckpt[n], 1100, TOL) for n in CONFIGS]
+    res = run_cli_batch(calls, root)
+    for r in res[: len(CONFIGS)]:
+        assert r.returncode == 0, f"{r.args}: {r.stderr[-3000:]}"
+    return {"hf": hf, "ckpt": ckpt, "verify": dict(zip(CONFIGS, res[len(CONFIGS):]))}
 
-    def get(name: str):
-        if name not in cache:
-            root = tmp_path_factory.mktemp(name)
-            hf = save_random_model(root / "hf", CONFIGS[name](), seed=11)
-            run_cli("hf-to-mcore", "--hf", hf, "--out", root / "ckpt")
-            cache[name] = (hf, root / "ckpt")
-        return cache[name]
 
-    return get
+@pytest.fixture(scope="module")
+def converted(layouts):
+    return lambda name: (layouts["hf"][name], layouts["ckpt"][name])
 
 
-def _verify(hf, ckpt, tokens: int, tol: float, tp: int = 1, pp: int = 1, ep: int = 1) -> float:
-    proc = run_cli("verify", "--hf", hf, "--ckpt", ckpt, "--tokens", tokens, "--tp", tp, "--pp", pp, "--ep", ep,
-                   "--tol", tol)
+def _checked(proc) -> float:
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.rstrip().split(" ep=")[0].endswith("OK"), proc.stdout
     return max_logit_diff(proc)
 
 
+def _verify(hf, ckpt, tokens: int, tol: float, tp: int = 1, pp: int = 1, ep: int = 1) -> float:
+    return _checked(run_cli(*_verify_args(hf, ckpt, tokens, tol, tp, pp, ep)))
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-# 48 tokens: slow; the 1100-token prompt checks positions 0..47 too, in the same forward
-@pytest.mark.parametrize("tokens", [pytest.param(48, marks=slow), 1100])
-def test_logits_match_transformers(converted, name, tokens):
+def test_logits_match_transformers(layouts, name):
+    assert _checked(layouts["verify"][name]) <= TOL
+
+
+# the 1100-token prompt checks positions 0..47 too, in the same forward
+@slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers_short_prompt(converted, name):
     hf, ckpt = converted(name)
-    assert _verify(hf, ckpt, tokens, TOL) <= TOL
+    assert _verify(hf, ckpt, 48, TOL) <= TOL
 
 
 @slow

@@ -5,10 +5,13 @@ And a configuration that would keep something the loss never reads is refused be
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.conftest import run_train_batch
 from tests.e2e.sevens import assert_async_lag, assert_trains
-from tests.e2e.test_schedules import _last_per_step, _train, sevens  # noqa: F401  (sevens: module fixture)
+from tests.e2e.test_schedules import _last_per_step, sevens  # noqa: F401  (sevens: module fixture)
 
 pytestmark = pytest.mark.e2e
 ASYNC = ["algorithm=ppo_ewma", "schedule=async", "algorithm.max_staleness=2",
@@ -16,13 +19,29 @@ ASYNC = ["algorithm=ppo_ewma", "schedule=async", "algorithm.max_staleness=2",
          "trainer.save_every=0", "optim.lr=1e-3", "trainer.deterministic=true"]
 
 
-@pytest.mark.parametrize("source", ["snapshot", "recompute"])
-def test_async_k2_keeps_learning(sevens, tmp_path, source):  # noqa: F811
-    audit, clip = "algorithm.old_logp_audit_frac=0.5", "algorithm.reset_clip_frac=0.6"
-    extra = [audit] if source == "snapshot" else [clip]
-    proc = _train([*sevens, *ASYNC, f"algorithm.old_logp_source={source}", *extra, f"run.dir={tmp_path}"])
+SOURCES = {"snapshot": "algorithm.old_logp_audit_frac=0.5", "recompute": "algorithm.reset_clip_frac=0.6"}
+REFUSED = ["algorithm.ewma_beta=0.5", "algorithm.reset_clip_frac=0.9"]
+
+
+@pytest.fixture(scope="module")
+def batch(sevens, tmp_path_factory) -> dict:  # noqa: F811
+    """The two async runs and the two refused configurations, in one interpreter (tests/train_batch.py).
+    name -> (run folder, result)."""
+    root = tmp_path_factory.mktemp("ppo_ewma")
+    runs = {src: [*sevens, *ASYNC, f"algorithm.old_logp_source={src}", extra, f"run.dir={root / src}"]
+            for src, extra in SOURCES.items()}
+    for i, override in enumerate(REFUSED):
+        runs[override] = [*sevens, "algorithm=ppo_ewma", "algorithm.old_logp_source=snapshot", override,
+                          f"run.dir={root / f'refused{i}'}"]
+    results = run_train_batch(list(runs.values()), root)
+    return {name: (Path(args[-1].split("=", 1)[1]), res) for (name, args), res in zip(runs.items(), results)}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_async_k2_keeps_learning(batch, source):
+    run_dir, proc = batch[source]
     assert proc.returncode == 0, proc.stderr[-4000:]
-    recs = _last_per_step(tmp_path / "metrics.jsonl")
+    recs = _last_per_step(run_dir / "metrics.jsonl")
     assert sorted(recs) == [1, 2, 3, 4, 5]
     rows = [(s, r["staleness_max"], r["ti_keep_rate"], r["grad_norm"], r["pg_clipfrac"], r.get("ewma_reset"),
              r["reward_mean"]) for s, r in sorted(recs.items())]
@@ -43,12 +62,12 @@ def test_async_k2_keeps_learning(sevens, tmp_path, source):  # noqa: F811
         assert recs[5]["ewma_age"] > 0
 
 
-@pytest.mark.parametrize("override", ["algorithm.ewma_beta=0.5", "algorithm.reset_clip_frac=0.9"])
-def test_ewma_key_with_an_exact_source_exits_2(sevens, tmp_path, override):  # noqa: F811
-    proc = _train([*sevens, "algorithm=ppo_ewma", "algorithm.old_logp_source=snapshot", override,
-                   f"run.dir={tmp_path}"], timeout=120)
+@pytest.mark.parametrize("override", REFUSED)
+def test_ewma_key_with_an_exact_source_exits_2(batch, override):
+    run_dir, proc = batch[override]
     key = override.split("=")[0].split(".")[1]
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if "config error" in ln]
     assert len(lines) == 1 and f"{key} set with old_logp_source=snapshot" in lines[0], proc.stderr[-2000:]
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert proc.seconds < 60  # refused before any model is built
+    assert not (run_dir / "metrics.jsonl").exists()

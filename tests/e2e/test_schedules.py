@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_train_batch
 from tests.e2e.sevens import TINY_TASK, assert_async_lag, assert_trains
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +30,37 @@ def _train(args: list[str], env: dict | None = None, timeout: int = 400, torchru
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run([*launch, "-m", "mcore_rl.train", *args], capture_output=True, text=True, timeout=timeout,
                           env=e, cwd=REPO)
+
+
+def _requeue_args(run_dir: Path) -> list[str]:
+    return [*TINY_TASK, "model.load_check.enabled=false", "schedule=async", "algorithm.stale_policy=requeue",
+            "trainer.deterministic=true", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
+            "trainer.max_new_tokens=4", "trainer.save_every=2", "trainer.export_hf=false", "data.sampler.shuffle=false",
+            "eval.num_prompts=0", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
+            f"run.dir={run_dir}", f"hydra.run.dir={run_dir.parent / 'hydra'}"]
+
+
+def _dapo_args(sevens: list[str], run_dir: Path) -> list[str]:
+    return [*sevens, "algorithm=dapo", "trainer.steps=3", "algorithm.updates_per_rollout=1", f"run.dir={run_dir}"]
+
+
+def _p3o_args(sevens: list[str], run_dir: Path) -> list[str]:
+    return [*sevens, "algorithm=p3o", "algorithm.ess_scope=batch", "trainer.steps=3", "optim.lr=1e-3",
+            "algorithm.updates_per_rollout=3", "trainer.prompts_per_update=4", f"run.dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def batch(sevens, tmp_path_factory) -> dict:
+    """This module's single-process runs, in one interpreter (tests/train_batch.py: one start-up for all; the
+    requeue test's two runs in order on one run folder). name -> (run folder, result)."""
+    root = tmp_path_factory.mktemp("schedules")
+    runs = {"dapo": (root / "dapo", _dapo_args(sevens, root / "dapo")),
+            "p3o": (root / "p3o", _p3o_args(sevens, root / "p3o"))}
+    requeue = _requeue_args(root / "requeue" / "run")
+    runs["requeue_k2"] = (root / "requeue" / "run", [*requeue, "algorithm.max_staleness=2", "trainer.steps=2"])
+    runs["requeue_k1"] = (root / "requeue" / "run", [*requeue, "algorithm.max_staleness=1", "trainer.steps=4"])
+    results = run_train_batch([args for _, args in runs.values()], root)
+    return {name: (folder, res) for (name, (folder, _)), res in zip(runs.items(), results)}
 
 
 def _last_per_step(path: Path, key: str = "step") -> dict[int, dict]:
@@ -82,22 +113,15 @@ def test_async_k2_sigkill_after_checkpoint_resumes_exactly(sevens, tmp_path, sou
     assert res_ids == ref_ids and len(set(ref_ids)) == len(ref_ids) == 12
 
 
-def test_async_requeue_trains_the_stale_prompts_later(tmp_path):
+def test_async_requeue_trains_the_stale_prompts_later(batch):
     """`stale_policy=requeue` end to end. In one run a consumed round lags exactly k versions, never more (the
     schedule keeps k rounds ahead and bumps the version once per round), so staleness is made the way an operator
     would meet it: a run with k=2 checkpoints at update 2 with rounds 2 and 3 generated at versions 0 and 1, and is
     resumed with `algorithm.max_staleness=1`. At version 2, round 2 lags 2 > 1: its 2 prompts are requeued into the
     next submitted round (4), which lags 1 when consumed and trains at update 4. Data in file order
     (`data.sampler.shuffle=false`): arith-s0-<i> is the i-th prompt. ~35-50 s (two short runs)."""
-    run_dir = tmp_path / "run"
-    args = [*TINY_TASK, "model.load_check.enabled=false", "schedule=async", "algorithm.stale_policy=requeue",
-            "trainer.deterministic=true", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
-            "trainer.max_new_tokens=4", "trainer.save_every=2", "trainer.export_hf=false", "data.sampler.shuffle=false",
-            "eval.num_prompts=0", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
-            f"run.dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
-    proc = _train([*args, "algorithm.max_staleness=2", "trainer.steps=2"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = _train([*args, "algorithm.max_staleness=1", "trainer.steps=4"])
+    (run_dir, first), (_, proc) = batch["requeue_k2"], batch["requeue_k1"]
+    assert first.returncode == 0, first.stderr[-4000:]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed 2 round(s) in flight: 4 request(s) restored finished" in proc.stderr
     assert "round 2: every group was stale" in proc.stderr
@@ -114,11 +138,10 @@ def test_async_requeue_trains_the_stale_prompts_later(tmp_path):
     assert sorted(i for u in ids.values() for i in u) == sorted(f"arith-s0-{i}" for i in range(8))  # none lost
 
 
-def test_dapo_dynamic_sampling_three_updates(sevens, tmp_path):
-    proc = _train([*sevens, "algorithm=dapo", "trainer.steps=3", "algorithm.updates_per_rollout=1",
-                   f"run.dir={tmp_path}"])
+def test_dapo_dynamic_sampling_three_updates(batch):
+    run_dir, proc = batch["dapo"]
     assert proc.returncode == 0, proc.stderr[-4000:]
-    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
         # about 1 group in 4 has equal rewards on this model: the data allows a full batch within 3 draws
@@ -132,15 +155,15 @@ def test_dapo_dynamic_sampling_three_updates(sevens, tmp_path):
 
 
 def _p3o(sevens, run_dir: Path, torchrun: int = 0):
-    proc = _train([*sevens, "algorithm=p3o", "algorithm.ess_scope=batch", "trainer.steps=3", "optim.lr=1e-3",
-                   "algorithm.updates_per_rollout=3", "trainer.prompts_per_update=4", f"run.dir={run_dir}"],
-                  torchrun=torchrun)
+    proc = _train(_p3o_args(sevens, run_dir), torchrun=torchrun)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_p3o_batch_ess_three_updates(sevens, tmp_path):
-    recs = _p3o(sevens, tmp_path)
+def test_p3o_batch_ess_three_updates(batch):
+    run_dir, proc = batch["p3o"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     ess = [r["ess_batch"] for r in recs]
     assert ess[0] == pytest.approx(1.0, abs=1e-6)  # the first update is on-policy: every ratio is 1

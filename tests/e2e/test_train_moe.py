@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from tests.conftest import run_train_batch
 from tests.convert.conftest import qwen3_moe_config, save_random_model
 from tests.e2e.test_train_tiny import records, run
 
@@ -33,8 +34,23 @@ def _check_two_steps(run_dir, stderr: str) -> list[dict]:
     return recs
 
 
-def test_tiny_moe_two_steps_single_process(tmp_path):
-    proc = run([sys.executable, "-m", "mcore_rl.train", *FAST, f"run.dir={tmp_path}"])
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory) -> dict:
+    """The two-step run and the refused HF config, in one interpreter (tests/train_batch.py).
+    name -> (run folder, result)."""
+    root = tmp_path_factory.mktemp("train_moe")
+    hf = save_random_model(root / "hf", qwen3_moe_config())
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["attn_logit_softcapping"] = 30.0
+    (hf / "config.json").write_text(json.dumps(cfg))
+    runs = {"two_steps": [*FAST, f"run.dir={root / 'two_steps'}"],
+            "unknown_field": ["model=hf", f"model.hf_path={hf}", f"run.dir={root / 'unknown_field'}"]}
+    results = run_train_batch(list(runs.values()), root)
+    return {name: (root / name, res) for name, res in zip(runs, results)}
+
+
+def test_tiny_moe_two_steps_single_process(batch):
+    tmp_path, proc = batch["two_steps"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_two_steps(tmp_path, proc.stderr)
     from mcore_rl.models.hf_io import HFReader
@@ -102,12 +118,8 @@ def config_error_line(stderr: str) -> str:
     return lines[0]
 
 
-def test_unknown_config_field_refused_at_training_start(tmp_path):
-    hf = save_random_model(tmp_path / "hf", qwen3_moe_config())
-    cfg = json.loads((hf / "config.json").read_text())
-    cfg["attn_logit_softcapping"] = 30.0
-    (hf / "config.json").write_text(json.dumps(cfg))
-    proc = run([sys.executable, "-m", "mcore_rl.train", "model=hf", f"model.hf_path={hf}", f"run.dir={tmp_path}/r"])
+def test_unknown_config_field_refused_at_training_start(batch):
+    _, proc = batch["unknown_field"]
     assert proc.returncode == 2
     assert config_error_line(proc.stderr) == ("config error: config field attn_logit_softcapping=30.0 is unknown to the "
                        "Qwen3MoeForCausalLM adapter (it may change the model's math); refusing rather than ignoring it")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_train_batch
 from tests.e2e.sevens import TINY_TASK, assert_trains
 
 pytestmark = pytest.mark.e2e
@@ -40,12 +40,34 @@ def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
 
 
-def test_tiny_two_steps_single_process(tmp_path):
-    t0 = time.time()
-    proc = run(train_cmd("trainer.steps=2", f"run.dir={tmp_path}"))
-    elapsed = time.time() - t0
+BAD_CONFIGS = [
+    ("algorithm.name=nope", "nope"),
+    ("trainer.steps=-1", "trainer.steps=-1 must be >= 0"),
+    ("parallel.tp=3", "parallel.tp=3 does not divide num_attention_heads=4"),
+    ("data.answer_field=solution", "solution"),
+    ("data.answer=5", "data.answer=5: needs ops=['+'] and 0 <= min_operand <= max_operand <= answer"),
+]
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory) -> dict:
+    """The two-step run and the bad configurations, in one interpreter (tests/train_batch.py: one start-up for
+    the six). name -> (run folder, result)."""
+    root = tmp_path_factory.mktemp("train_tiny")
+    data = root / "train.jsonl"
+    data.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n' * 4)
+    runs = {"two_steps": [*FAST, "trainer.steps=2", f"run.dir={root / 'two_steps'}"]}
+    for i, (override, _) in enumerate(BAD_CONFIGS):
+        extra = ["data=jsonl", f"data.path={data}"] if override.startswith("data.answer_") else []
+        runs[override] = [*FAST, *extra, override, f"run.dir={root / f'bad{i}'}"]
+    results = run_train_batch(list(runs.values()), root)
+    return {name: (Path(args[-1].split("=", 1)[1]), res) for (name, args), res in zip(runs.items(), results)}
+
+
+def test_tiny_two_steps_single_process(batch):
+    tmp_path, proc = batch["two_steps"]
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert elapsed < 120, f"took {elapsed:.0f}s"
+    assert proc.seconds < 120, f"took {proc.seconds:.0f}s"
     recs = records(tmp_path)
     assert [r["step"] for r in recs] == [1, 2]
     for key in ("reward_mean", "accuracy", "response_len", "truncation_rate", "loss", "grad_norm",
@@ -112,20 +134,10 @@ def test_multirun_all_algorithms(tmp_path):
         assert_trains(recs)
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("algorithm.name=nope", "nope"),
-    ("trainer.steps=-1", "trainer.steps=-1 must be >= 0"),
-    ("parallel.tp=3", "parallel.tp=3 does not divide num_attention_heads=4"),
-    ("data.answer_field=solution", "solution"),
-    ("data.answer=5", "data.answer=5: needs ops=['+'] and 0 <= min_operand <= max_operand <= answer"),
-])
-def test_bad_config_one_clear_line(override, needle, tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n' * 4)
-    extra = ["data=jsonl", f"data.path={data}"] if override.startswith("data.answer_") else []
-    t0 = time.time()
-    proc = run(train_cmd(*extra, override, f"run.dir={tmp_path / 'run'}"), timeout=120)
+@pytest.mark.parametrize("override,needle", BAD_CONFIGS)
+def test_bad_config_one_clear_line(batch, override, needle):
+    _, proc = batch[override]
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert time.time() - t0 < 60
+    assert proc.seconds < 60

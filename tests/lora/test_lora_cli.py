@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
-from tests.e2e.test_train_tiny import _env, records, run, train_cmd
+from tests.conftest import REPO, run_train_batch
+from tests.e2e.test_train_tiny import FAST, _env, records, run, train_cmd
 
 pytestmark = pytest.mark.e2e
 LORA = [
@@ -99,17 +99,28 @@ def _peft_export_equals_merged_export(run_dir, tmp_path) -> None:
     assert (peft_logits - merged).abs().max().item() < 1e-4
 
 
-def test_bad_lora_settings_one_clear_line(tmp_path):
-    proc = run(
-        train_cmd("model.lora.rank=4", "model.lora.target_modules=[q_proj]", f"run.dir={tmp_path}"),
-        timeout=120,
-    )
+REFUSED = {
+    "q_proj": ["model.lora.rank=4", "model.lora.target_modules=[q_proj]"],
+    "moe": ["model=tiny_moe", "model.lora.rank=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict:
+    """The refused LoRA settings through the CLI's main() in one interpreter (tests/train_batch.py)."""
+    root = tmp_path_factory.mktemp("lora_refused")
+    runs = [[*FAST, *overrides, f"run.dir={root / name}"] for name, overrides in REFUSED.items()]
+    return dict(zip(REFUSED, run_train_batch(runs, root)))
+
+
+def test_bad_lora_settings_one_clear_line(refused):
+    proc = refused["q_proj"]
     assert proc.returncode == 2
     assert "model.lora.target_modules='q_proj'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_lora_on_moe_experts_refused_in_one_line(tmp_path):
-    proc = run(train_cmd("model=tiny_moe", "model.lora.rank=4", f"run.dir={tmp_path}"), timeout=180)
+def test_lora_on_moe_experts_refused_in_one_line(refused):
+    proc = refused["moe"]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "config error: model.lora.target_modules: linear_fc1 of MoE experts" in proc.stderr
     assert "Traceback" not in proc.stderr

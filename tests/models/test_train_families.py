@@ -57,33 +57,69 @@ def tiny_folder(root: Path, model_type: str, fields: dict) -> Path:
     return root
 
 
-def _two_updates(name: str, tmp_path: Path, launcher: list[str], *extra: str) -> list[dict]:
+def _check_two_updates(recs: list[dict], load_check_line: str) -> None:
+    assert [r["step"] for r in recs] == [1, 2]
+    assert min(r["grad_norm"] for r in recs) > 1e-5 and recs[1]["weight_version"] == 1.0
+    # step 2 was sampled by the synced engine (transformers' own model): same log-probs as the policy
+    assert recs[1]["train_rollout_logprob_abs_diff"] < 1e-5
+    assert load_check_line.rstrip().endswith("OK"), load_check_line
+    assert float(load_check_line.split("max_abs_logit_diff=")[1].split()[0]) < 1e-4
+
+
+def _load_check_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "load check:" in ln]
+
+
+def _folder(name: str, root: Path) -> Path:
     try:
-        model_type, fields = FAMILIES[name]
-        hf = tiny_folder(tmp_path / "hf", model_type, fields)
+        return tiny_folder(root, *FAMILIES[name])
     except FileNotFoundError as e:  # no SmolLM2 tokenizer on this machine
         pytest.skip(str(e))
+
+
+def _two_updates(name: str, tmp_path: Path, launcher: list[str], *extra: str) -> list[dict]:
+    hf = _folder(name, tmp_path / "hf")
     run_dir = tmp_path / "run"
     proc = run([*launcher, "-m", "mcore_rl.train", "model=hf", f"model.hf_path={hf}", *FAST, *extra,
                 f"run.dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = records(run_dir)
-    assert [r["step"] for r in recs] == [1, 2]
-    assert min(r["grad_norm"] for r in recs) > 1e-5 and recs[1]["weight_version"] == 1.0
-    # step 2 was sampled by the synced engine (transformers' own model): same log-probs as the policy
-    assert recs[1]["train_rollout_logprob_abs_diff"] < 1e-5
-    line = next(ln for ln in proc.stderr.splitlines() if "load check:" in ln)
-    assert line.rstrip().endswith("OK") and float(line.split("max_abs_logit_diff=")[1].split()[0]) < 1e-4
+    _check_two_updates(recs, _load_check_lines(proc.stderr)[0])
     return recs
 
 
 # ~90-110 s each on a loaded 2-core machine; their TP=1 exactness is in tests/convert, their sync in
 # test_sync_families.py
 SLOW = {"llama-bias-gelu", "qwen2-moe-dense", "linear", "qwen3-moe-dense"}
+DEFAULT = [n for n in FAMILIES if n not in SLOW]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in FAMILIES])
-def test_two_updates_through_the_cli(name, tmp_path):
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
+    """The default families' runs as one Hydra multirun over model.hf_path: jobs run one after another in one
+    process (one torch/Megatron start-up for all; each job builds, trains and tears down its own run), job i in
+    sweep folder i. name -> (metrics records, its load-check line)."""
+    root = tmp_path_factory.mktemp("families")
+    folders = [str(_folder(n, root / n)) for n in DEFAULT]
+    sweep = root / "sweep"
+    proc = run([sys.executable, "-m", "mcore_rl.train", "-m", "model=hf", f"model.hf_path={','.join(folders)}",
+                *FAST, f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    checks = _load_check_lines(proc.stderr)
+    assert len(checks) == len(DEFAULT), checks
+    for i, folder in enumerate(folders):  # job i trained folder i (Hydra keeps the sweep's order)
+        assert f"model.hf_path={folder}" in (sweep / str(i) / ".hydra" / "overrides.yaml").read_text()
+    return {n: (records(sweep / str(i)), checks[i]) for i, n in enumerate(DEFAULT)}
+
+
+@pytest.mark.parametrize("name", DEFAULT)
+def test_two_updates_through_the_cli(name, default_runs):
+    _check_two_updates(*default_runs[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_two_updates_through_the_cli_more_families(name, tmp_path):
     _two_updates(name, tmp_path, [sys.executable])
 
 

@@ -13,14 +13,11 @@ nats. The fp32 policy itself must match transformers' fp32 to 1e-3 on the same t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import run_train_batch
 from tests.train_step import train_step
 
 pytestmark = pytest.mark.multiproc  # builds real Megatron modules (one gloo rank)
@@ -144,15 +141,15 @@ def test_auto_dtype_threshold(monkeypatch):
 def test_cli_trains_tiny_in_bf16_with_auto_choice_logged(tmp_path):
     """The trainer CLI end to end with model.dtype=bf16 + model.lm_head_fp32 (engine follows: rollout.dtype=auto),
     and with model.dtype=auto, whose measured choice is logged and recorded in the run's config.yaml."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
-    base = [sys.executable, "-m", "mcore_rl.train", "model=tiny", "eval.num_prompts=0", "trainer.prompts_per_update=2",
-            "trainer.samples_per_prompt=2", "trainer.max_new_tokens=8", "logging.progress=false",
-            "trainer.export_hf=false", "logging.plot=false", "trainer.steps=2"]
-    for dt in ("bf16", "auto"):
+    base = ["model=tiny", "eval.num_prompts=0", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
+            "trainer.max_new_tokens=8", "logging.progress=false", "trainer.export_hf=false", "logging.plot=false",
+            "trainer.steps=2"]
+    extra = {"bf16": ["model.lm_head_fp32=true", "optim.bf16_stochastic_rounding=true"], "auto": []}
+    # both runs in one interpreter (tests/train_batch.py: one start-up)
+    results = run_train_batch([[*base, f"model.dtype={dt}", f"run.dir={tmp_path / dt}", *extra[dt]] for dt in extra],
+                              tmp_path)
+    for dt, proc in zip(extra, results):
         run_dir = tmp_path / dt
-        extra = ["model.lm_head_fp32=true", "optim.bf16_stochastic_rounding=true"] if dt == "bf16" else []
-        proc = subprocess.run([*base, f"model.dtype={dt}", f"run.dir={run_dir}", *extra], capture_output=True,
-                              text=True, timeout=300, env=env, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-3000:]
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in recs] == [1, 2] and all(r["update_ok"] == 1.0 for r in recs)

@@ -34,15 +34,37 @@ SMALL = ["model=tiny", "trainer.prompts_per_update=2", "trainer.samples_per_prom
          "trainer.export_hf=false"]  # fmt: skip
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(REPO)}  # fmt: skip
+
+
+def _read(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / name).read_text().splitlines() if x.strip()]
+
+
 def train(run_dir: Path, *overrides: str, steps: int = 3) -> tuple[list[dict], list[dict]]:
     """One CLI run; its per-update metrics and its evaluations."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(REPO)}  # fmt: skip
     cmd = [sys.executable, "-c", PLUGINS, *SMALL, *overrides, f"trainer.steps={steps}", f"run.dir={run_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    read = lambda name: [json.loads(x) for x in (run_dir / name).read_text().splitlines() if x.strip()]  # noqa: E731
-    return read("metrics.jsonl"), read("eval.jsonl")
+    return _read(run_dir, "metrics.jsonl"), _read(run_dir, "eval.jsonl")
+
+
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory) -> dict[str, tuple[list[dict], list[dict]]]:
+    """One run per schedule, as one Hydra multirun over `schedule` (one start-up; each job builds and tears down
+    its own run, tool pool included), job i in sweep folder i. schedule -> (metrics, evaluations)."""
+    sweep = tmp_path_factory.mktemp("schedules")
+    cmd = [sys.executable, "-c", PLUGINS, "-m", *SMALL, *CALC, "algorithm=grpo_cpu", f"schedule={','.join(SCHEDULES)}",
+           "trainer.steps=3", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.num}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = {}
+    for i, schedule in enumerate(SCHEDULES):  # job i ran schedule i (Hydra keeps the sweep's order)
+        assert f"schedule={schedule}" in (sweep / str(i) / ".hydra" / "overrides.yaml").read_text()
+        out[schedule] = _read(sweep / str(i), "metrics.jsonl"), _read(sweep / str(i), "eval.jsonl")
+    return out
 
 
 def check_episodes_trained(metrics: list[dict], evals: list[dict], schedule: str) -> None:
@@ -64,9 +86,8 @@ def check_episodes_trained(metrics: list[dict], evals: list[dict], schedule: str
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_calculator_episodes_train_under_every_schedule(schedule, tmp_path):
-    metrics, evals = train(tmp_path / "run", *CALC, "algorithm=grpo_cpu", f"schedule={schedule}")
-    check_episodes_trained(metrics, evals, schedule)
+def test_calculator_episodes_train_under_every_schedule(schedule, schedule_runs):
+    check_episodes_trained(*schedule_runs[schedule], schedule)
 
 
 @pytest.mark.slow
