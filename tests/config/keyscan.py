@@ -22,7 +22,7 @@ def group_options() -> list[tuple[str, str]]:
     return [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 
 
-def compose(overrides: list[str]) -> DictConfig:
+def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -30,7 +30,7 @@ def compose(overrides: list[str]) -> DictConfig:
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         # run.dir defaults to Hydra's output dir, which only exists inside a Hydra run
-        return hydra_compose(config_name="config", overrides=["run.dir=/nonexistent/run", *overrides])
+        return hydra_compose(config_name=config_name, overrides=["run.dir=/nonexistent/run", *overrides])
 
 
 def option_overrides(group: str, option: str) -> list[str]:
