@@ -15,7 +15,7 @@ from tests.config.keyscan import REPO, compose
 def test_calculator_demo_preset_is_the_main_job_with_the_environment():
     demo, main = compose([], config_name="calculator_demo"), compose([])
     validate(demo)
-    assert demo.env.name == "calculator" and demo.env.operations == 2 and demo.trainer.steps == 30
+    assert demo.env.name == "calculator" and demo.env.operations == 2 and demo.trainer.steps == 20
     assert demo.model == main.model and demo.algorithm == main.algorithm  # SmolLM2, the main job's GRPO
     proc = subprocess.run([sys.executable, "-m", "mcore_rl.train", "--config-name", "calculator_demo", "--cfg", "job",
                            "trainer.steps=12"], capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
