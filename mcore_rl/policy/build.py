@@ -79,13 +79,6 @@ def build_gpt_model(
     set_rotary(model, args.rope, args.head_dim)  # HF's RoPE variant (models/rope.py), before any forward
     if lora is not None and lora.enabled:
         attach_adapters(model, lora, seed)  # before DDP: grad buffers and optimizer state hold adapters only
-        from mcore_rl.policy.lora import trainable_parameters
-
-        n_train, n_all = trainable_parameters(model)
-        logging.getLogger("mcore_rl").info(
-            "LoRA rank %d on %s: %s of %s parameters train (%.2f%%) on this rank",
-            lora.rank, ",".join(lora.target_modules), f"{n_train:,}", f"{n_all:,}", 100.0 * n_train / n_all,
-        )
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
     from mcore_rl.compat import fused_ops
 

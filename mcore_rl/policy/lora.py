@@ -17,6 +17,7 @@ weights do not change, so HF loading, dist checkpoints and the weight stream kee
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import zlib
 from collections.abc import Iterator
@@ -104,6 +105,11 @@ def attach_adapters(gpt, cfg: LoraConfig, seed: int = 0) -> int:
         n += 1
     if n == 0:
         raise ConfigError(f"model.lora.target_modules={cfg.target_modules}: no such linear in this model")
+    trainable, total = trainable_parameters(gpt)
+    logging.getLogger("mcore_rl").info(
+        "LoRA rank %d on %d linears (%s): %s of %s parameters train (%.2f%%) on this rank",
+        cfg.rank, n, ",".join(cfg.target_modules), f"{trainable:,}", f"{total:,}", 100.0 * trainable / total,
+    )  # fmt: skip
     return n
 
 
