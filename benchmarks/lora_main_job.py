@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,15 +35,8 @@ def saved_params(run: Path) -> int:
     total = 0
     for f in files:
         with safe_open(str(f), "pt") as st:
-            total += sum(_numel(st.get_slice(k).get_shape()) for k in st.keys())
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
     return total
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def report(run: Path) -> dict:

@@ -28,10 +28,12 @@ def child(a: argparse.Namespace) -> dict:
         from mcore_rl.compat.malloc import tune_malloc
 
         tune_malloc()
-    elif a.child == "trim-only":
+    elif a.child == "trim-only":  # tune_malloc's arena and trim settings without its mmap threshold
+        from mcore_rl.compat import malloc
+
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-8, 2)  # M_ARENA_MAX
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(malloc.M_ARENA_MAX, 2)
+        libc.mallopt(malloc.M_TRIM_THRESHOLD, 64 << 20)
     import torch
 
     torch.set_num_threads(1)
