@@ -65,6 +65,16 @@ def check_ids(rounds: dict[int, dict], n_rounds: int) -> tuple[int, int]:
 
 
 
+def kill_after_step2_checkpoint_and_resume(run_dir: Path, *args: str, plugins: bool = False) -> str:
+    """SIGKILL right after the step-2 checkpoint (MCORE_RL_CRASH_AT), then the same command again: it must resume
+    and finish. Returns the resumed run's stderr."""
+    proc = run(run_dir, *args, env={"MCORE_RL_CRASH_AT": "after_latest:2"}, plugins=plugins)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    proc = run(run_dir, *args, plugins=plugins)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
 def check_resumed_ids(ref_dir: Path, kill_dir: Path, n_rounds: int) -> None:
     """The killed-and-resumed run issued, trained and carried the same ids round by round as the uninterrupted one,
     each id trained exactly once, at least half of them carried at least once."""
@@ -99,11 +109,8 @@ def test_sigkill_after_checkpoint_resumes_carried_samples_exactly(tmp_path):
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
     proc = run(ref_dir, *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = run(kill_dir, *args, env={"MCORE_RL_CRASH_AT": "after_latest:2"})
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    proc = run(kill_dir, *args)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resumed 2 carried group(s) (8 unfinished samples)" in proc.stderr
+    resumed = kill_after_step2_checkpoint_and_resume(kill_dir, *args)
+    assert "resumed 2 carried group(s) (8 unfinished samples)" in resumed
     ref, res = last_per(ref_dir / "metrics.jsonl", "step"), last_per(kill_dir / "metrics.jsonl", "step")
     assert sorted(ref) == sorted(res) == list(range(1, 7))
     diffs = [abs(res[s]["loss"] - ref[s]["loss"]) for s in range(1, 7)]
@@ -192,11 +199,7 @@ def test_calculator_sigkill_resumes_carried_episodes_exactly(tmp_path):
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
     proc = run(ref_dir, *args, plugins=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = run(kill_dir, *args, env={"MCORE_RL_CRASH_AT": "after_latest:2"}, plugins=True)
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    proc = run(kill_dir, *args, plugins=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "carried group(s)" in proc.stderr
+    assert "carried group(s)" in kill_after_step2_checkpoint_and_resume(kill_dir, *args, plugins=True)
     ref, res = last_per(ref_dir / "metrics.jsonl", "step"), last_per(kill_dir / "metrics.jsonl", "step")
     assert sorted(ref) == sorted(res) == [1, 2, 3, 4]
     diffs = [abs(res[s]["loss"] - ref[s]["loss"]) for s in ref]

@@ -24,7 +24,16 @@ from omegaconf import OmegaConf
 from mcore_rl.rollout.sglang.launcher import ROUTER_COMMAND, LauncherConfig, ServerLauncher
 from mcore_rl.rollout.sglang.remote_engine import SGLangEngine
 from tests.config.keyscan import REPO
-from tests.trainer.test_partial_cli import CALC, PARTIAL, SEVENS, check_ids, check_resumed_ids, last_per, run
+from tests.trainer.test_partial_cli import (
+    CALC,
+    PARTIAL,
+    SEVENS,
+    check_ids,
+    check_resumed_ids,
+    kill_after_step2_checkpoint_and_resume,
+    last_per,
+    run,
+)
 
 pytestmark = pytest.mark.rollout
 
@@ -200,11 +209,8 @@ def test_sigkill_and_resume_over_sglang_reproduce_the_run(router, single_run, tm
     before its end: checkpointing changes nothing either)."""
     ref_dir, _ = single_run
     args = [*SINGLE, *router.start_run(tiny_dir("7")), "trainer.save_every=2"]
-    proc = run(tmp_path, *args, env={"MCORE_RL_CRASH_AT": "after_latest:2"})
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    proc = run(tmp_path, *args)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resumed 2 carried group(s) (8 unfinished samples)" in proc.stderr
+    resumed = kill_after_step2_checkpoint_and_resume(tmp_path, *args)
+    assert "resumed 2 carried group(s) (8 unfinished samples)" in resumed
     ref, res = last_per(ref_dir / "metrics.jsonl", "step"), last_per(tmp_path / "metrics.jsonl", "step")
     assert sorted(res) == [1, 2, 3, 4]
     diffs = [abs(res[s]["loss"] - ref[s]["loss"]) for s in ref]
