@@ -8,7 +8,8 @@ generated loop forward and one backward, with bf16 <-> fp32 conversions kept in 
 
 Only the element-wise functions are compiled, never Megatron's modules: Megatron's linear layers graph-break
 under dynamo (measured: a whole compiled TransformerLayer splits into many graphs and runs slower). Shapes
-are dynamic after the first recompile, so token-budget micro-batches of varying length do not recompile.
+are dynamic from the first call (a static first compile recompiled for each new length, batch-1 case and grad mode
+until dynamo's limit of 8, then ran eager): one graph per grad mode and batch-1 case, whatever the lengths.
 
 fp32 models keep Megatron's eager modules untouched (the exactness tests compare them to transformers at
 ~1e-5). `model.compile=false` (BuildConfig.compile; `set_compile`) turns the fused path off for the process:
@@ -56,7 +57,7 @@ def compiled_calls() -> dict[str, int]:
 
 def _compiled(fn: Callable) -> Callable:
     """torch.compile(fn), falling back to eager fn (once, logged) if compilation fails on this machine."""
-    compiled = torch.compile(fn, dynamic=None)
+    compiled = torch.compile(fn, dynamic=True)
 
     def call(*args, **kwargs):
         if fn.__name__ in _BROKEN or not compile_enabled():

@@ -151,3 +151,30 @@ def test_fused_cpu_adam_switch_gives_the_same_update():
     moved = max((p - p0).abs().max().item() for p, p0 in zip(a, [torch.randn(n, generator=torch.Generator()
                                                                              .manual_seed(0)) for n in (1000,)]))
     assert diff < 1e-6 and moved > 1e-3
+
+
+def test_varying_shapes_and_grad_modes_stay_within_the_recompile_limit(ran_compiled):
+    """A training run calls RoPE with every micro-batch's length, batch sizes down to 1, with and without grad
+    (old log-probs, training). Compiled as static first, each new combination recompiled until dynamo's limit (8),
+    after which it silently ran eager. Compiled dynamic from the start: one graph per grad mode and batch-1 case."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    ran_compiled.append("rope_copy")
+
+    def rope_copy(t, cos, sin):  # its own code object, so its cache entries count only this test's calls
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    op = fused_ops._compiled(rope_copy)
+    heads, dim = 3, 16
+    for s, b, grad in [(70, 4, False), (83, 4, False), (70, 4, True), (91, 2, True), (60, 8, False), (120, 1, True),
+                       (100, 3, False), (55, 5, True), (77, 1, False), (99, 2, True), (33, 3, True), (41, 6, False)]:
+        qkv = torch.randn(s, b, 3 * heads * dim).to(torch.bfloat16).requires_grad_(grad)
+        q = qkv.view(s, b, 3 * heads, dim)[:, :, :heads]  # a strided view, as Megatron's query
+        cos = sin = torch.randn(s, 1, 1, dim).to(torch.bfloat16)
+        with torch.set_grad_enabled(grad):
+            y = op(q, cos, sin)
+            if grad:
+                y.float().sum().backward()
+    if fused_ops.fallbacks().get("rope_copy") is None:
+        assert len(_debug_get_cache_entry_list(rope_copy.__code__)) <= 4
