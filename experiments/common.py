@@ -34,20 +34,27 @@ PHASES = ("time_generate", "time_reward", "time_old_logp", "time_train", "time_s
 SEED_BASE = 1234  # seeds are SEED_BASE, SEED_BASE + 1, ... (`--seeds N` takes the first N)
 
 # The task every arm trains on (experiments/README.md: why, and its measured base rate): a data yaml from
-# hydra_conf/data/ and the response budget its worked answers need. The held-out split is the trainer's default (the
-# same yaml with seed + 1000), which the yaml's `exclude` keeps disjoint from training (tests/data/test_sum3_task.py).
+# hydra_conf/data/ and the response budget its answers need. The held-out split is the trainer's default (the same
+# yaml with seed + 1000), which the yaml's `exclude` keeps disjoint from training (tests/data/test_exp_tasks.py).
 TASK_OVERRIDES = [
-    "data=sum3",
-    "trainer.max_new_tokens=160",  # answers average 73 tokens; at 96 a quarter were cut off (3.5% at 160)
-    "eval.max_new_tokens=160",
-    "eval.num_prompts=32",  # 32 x 4 worked answers: ~3-6 min per eval on this machine (the a+b eval was ~20 s)
+    "data=addsub",
+    "trainer.max_new_tokens=48",  # answers are ~20 tokens; the base model rambles past 48 in ~14% of them
+    "eval.max_new_tokens=48",
+    "eval.num_prompts=32",  # 32 x 4 answers: ~30 s per eval on this machine
     "eval.samples_per_prompt=4",
 ]
-# The shrunk main job every arm shares: 4 prompts x 4 samples per update. Checkpoints (one kept) so an interrupted
-# arm resumes (trainer.resume=auto); no HF export, TensorBoard or plots: they cost wall-clock that is not training.
+# The main job's batch and learning rate, which every arm shares: 16 prompts x 4 samples per update at lr 2e-5, in
+# bf16. Why not smaller: 4 or 8 prompts x 4 (lr 2e-5 / 5e-5) left 50-75% of groups without a success on the worked
+# three-term sum and nothing learned (experiments/README.md). bf16, not `auto`: runs of one queue may land on
+# different machines over several days and must compute the same thing, and bf16 is what GPU users train in (its
+# train-inference mismatch is what the Train-Infer Mask exists for); it needs a CPU with bf16 matmuls (AVX512-BF16
+# or AMX: on an AVX2-only CPU bf16 is ~100x slower, and `--report-only` is all such a machine should run).
+# Checkpoints (one kept) so an interrupted arm resumes (trainer.resume=auto); no HF export, TensorBoard or plots:
+# they cost wall-clock that is not training.
 BASE_OVERRIDES = [
     *TASK_OVERRIDES,
-    "trainer.prompts_per_update=4",
+    "model.dtype=bf16",
+    "trainer.prompts_per_update=16",
     "trainer.samples_per_prompt=4",
     "trainer.resume=auto",
     "trainer.keep_checkpoints=1",
@@ -255,12 +262,13 @@ def git_rev() -> str:
 
 # The GPU profile of every experiment: the same arms on a 0.5B-1.5B instruct model with SGLang rollout, colocated
 # on one GPU (the servers release memory while the trainer runs). `--gpu MODEL_DIR` appends these after the arm's own
-# overrides; run directories go to <exp>_gpu/. The task is harder (more terms, 3 digits): a 0.5B model would
+# overrides; run directories go to <exp>_gpu/. The task is harder (3-5 terms of 1-2 digits): a 0.5B model would
 # saturate the CPU task; measure its base rate first (experiments/README.md).
 GPU_OVERRIDES = [
     "model=hf",
     "rollout=sglang",
     "rollout.launcher.colocate=true",
+    "data.options.min_terms=3",
     "data.options.max_terms=5",
     "data.options.max_digits=2",
     "data.options.operators=[+,-]",

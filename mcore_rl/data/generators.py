@@ -67,7 +67,7 @@ class ReasoningGymConfig(PromptStyle):
     # 1000 repeats items 1000.. of a larger seed-0 split) and short problems recur by chance. The split named here
     # never excludes itself: the trainer derives its held-out spec from the training one (seed + 1000, same keys),
     # so one yaml with exclude.seed = seed + 1000 gives a training split disjoint from the first `size` held-out
-    # items (tests/data/test_sum3_task.py).
+    # items (tests/data/test_exp_tasks.py).
     exclude: dict[str, int] | None = None
 
 
