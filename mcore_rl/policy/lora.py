@@ -7,6 +7,8 @@ Sharding follows the base weight so no adapter tensor is ever gathered in the fo
   holds A's full gradient, which is why A is marked TP-replicated (counted once in the grad norm).
 - row-parallel (linear_proj, linear_fc2; W split on its input columns): A [r, in/tp] is split like W, B [out, r]
   is replicated. A x is a partial sum per rank, all-reduced (`reduce_from_tensor_model_parallel_region`) before B.
+Under sequence parallelism only rank-r activations cross ranks (gather / reduce-scatter over the sequence), and the
+replicated factor (column A, row B) is marked `sequence_parallel`; `_rank_r_input` derives why.
 The fused [gate; up] fc1 rows of each TP rank are B's rows too, so a rank's merged shard is W_r + s * B_r @ A_r
 for both kinds: weight sync merges shard by shard and gathers as it does for plain weights.
 
@@ -48,6 +50,7 @@ class LoraState:
     kind: str  # column | row
     scale: float
     dropout: float
+    sequence_parallel: bool = False  # the linear's input (column) / output (row) is sequence-sharded
     enabled: bool = True
 
 
@@ -71,8 +74,6 @@ def _init_a(name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
 
 
 def _refuse_unsupported(gpt, cfg: LoraConfig) -> None:
-    if gpt.config.sequence_parallel:
-        raise ConfigError("model.lora with parallel.sequence_parallel=true is not supported")
     experts = {"linear_fc1", "linear_fc2"} & set(cfg.target_modules)
     if gpt.config.num_moe_experts and experts and getattr(gpt.config, "moe_grouped_gemm", False):
         raise ConfigError(
@@ -117,7 +118,12 @@ def _add_adapter(gpt, name: str, linear, cfg: LoraConfig, seed: int) -> None:
     # `allreduce` is False on EP>1 experts: DDP reduces over expert-DP, the optimizer puts them in its expert group
     if hasattr(w, "allreduce"):
         linear.lora_A.allreduce = linear.lora_B.allreduce = w.allreduce
-    linear._lora = LoraState(kind, cfg.alpha / cfg.rank, cfg.dropout)
+    sp = bool(getattr(linear, "sequence_parallel", False)) and tp_size > 1
+    if (
+        sp
+    ):  # the replicated factor's grad covers this rank's tokens only: summed over TP by finalize_model_grads
+        dup.sequence_parallel = True
+    linear._lora = LoraState(kind, cfg.alpha / cfg.rank, cfg.dropout, sp)
     linear.register_forward_hook(_lora_hook, with_kwargs=True)
     swiglu = name.endswith("linear_fc1") and bool(gpt.config.gated_linear_unit)
     linear.sharded_state_dict = _sharded_state_dict_fn(linear, swiglu)
@@ -147,24 +153,42 @@ def _lora_hook(module, args, kwargs, output):
     st: LoraState = module._lora
     if not st.enabled:
         return output
-    from megatron.core.tensor_parallel import (
-        copy_to_tensor_model_parallel_region,
-        reduce_from_tensor_model_parallel_region,
-    )
-
     x = args[0] if args else kwargs["input_"]
     if st.dropout and module.training:
         x = F.dropout(x, st.dropout, training=True)
-    h = torch.matmul(x, module.lora_A.t())
-    g = getattr(module, "tp_group", None)  # the expert-TP group for an expert's linear
-    h = (
-        copy_to_tensor_model_parallel_region(h, group=g)
-        if st.kind == "column"
-        else reduce_from_tensor_model_parallel_region(h, group=g)
-    )
+    h = _rank_r_input(module, st, torch.matmul(x, module.lora_A.t()))
     delta = torch.matmul(h, module.lora_B.t()) * st.scale
     out, bias = output
     return out + delta.to(out.dtype), bias
+
+
+def _rank_r_input(module, st: LoraState, h: torch.Tensor) -> torch.Tensor:
+    """The rank-r activation in the layout B's product must have (the linear's output layout); see the module doc.
+
+    Without sequence parallelism: column -> copy region (A's grad all-reduced in backward); row -> all-reduce.
+    With it, only rank-r tensors cross ranks (never the hidden-size input or output):
+    - column: x is this rank's sequence shard, the output covers the whole sequence. h_s = A x_s is gathered over
+      the sequence (all-gather forward, reduce-scatter backward): each rank's dh = B_r^T dy_r is a partial sum over
+      the TP ranks' output rows, and the reduce-scatter both sums it and hands each rank its own shard, so dx is
+      right (an all-gather with a plain-split backward would drop the other ranks' terms). A's grad dh_s^T x_s then
+      covers this rank's tokens only: A is marked `sequence_parallel` so finalize_model_grads sums it over TP,
+      as Megatron does for the LayerNorm weights under sequence parallelism.
+    - row: A_r x_r is a partial sum over the full sequence, the output is this rank's sequence shard. A
+      reduce-scatter sums it and keeps the shard (its backward all-gathers dh, so A_r's grad covers every token);
+      B's grad dy_s^T h_s covers this rank's tokens only, so B is marked `sequence_parallel` too. The alternative,
+      all-reduce then split the output, needs no marking but all-gathers the hidden-size dy in backward and runs
+      B on every token on every rank: the reduce-scatter moves r numbers per token instead of hidden-size ones.
+    """
+    from megatron.core import tensor_parallel as tpl
+
+    g = getattr(module, "tp_group", None)  # the expert-TP group for an expert's linear
+    if st.kind == "column":
+        if st.sequence_parallel:
+            return tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=g)
+        return tpl.copy_to_tensor_model_parallel_region(h, group=g)
+    if st.sequence_parallel:
+        return tpl.reduce_scatter_to_sequence_parallel_region(h, group=g)
+    return tpl.reduce_from_tensor_model_parallel_region(h, group=g)
 
 
 def _sharded_state_dict_fn(linear, swiglu: bool):
