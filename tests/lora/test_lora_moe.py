@@ -85,3 +85,22 @@ def test_ep2_matches_ep1(reference, ep2):
         if not torch.allclose(ref["adapters"][n], fixed_value(n, ref["adapters"][n].shape))
     ]
     assert len(moved) == len(_expert_names(ref))
+
+
+def test_grouped_gemm_experts_refused_in_one_line():
+    """GroupedMLP / TEGroupedMLP hold every expert in one stacked weight: no linear per expert to adapt."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+
+    from mcore_rl.config.checks import ConfigError
+    from mcore_rl.config.model import LoraConfig
+    from mcore_rl.policy.lora import attach_adapters
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
+                            moe_ffn_hidden_size=32, moe_grouped_gemm=True, add_bias_linear=False)  # fmt: skip
+    gpt = SimpleNamespace(config=cfg)  # the refusal reads the config before touching any module
+    with pytest.raises(
+        ConfigError, match=r"^model.lora.target_modules: linear_fc1,linear_fc2 on grouped-GEMM "
+    ):
+        attach_adapters(gpt, LoraConfig(rank=4))
