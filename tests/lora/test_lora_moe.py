@@ -21,20 +21,10 @@ def moe_hf(tmp_path_factory):
     return save_random_model(tmp_path_factory.mktemp("lora_moe_hf"), qwen3_moe_config(), seed=5)
 
 
-def _run(nproc: int, ep: int, hf: Path, folder: Path) -> dict:
+def _run(nproc: int, ep: int, hf: Path, folder: Path, *extra: str) -> dict:
     out = folder / f"ep{ep}.pt"
-    run_torchrun(
-        nproc,
-        WORKER,
-        "--hf",
-        str(hf),
-        "--ep",
-        str(ep),
-        "--ckpt",
-        str(folder / f"ckpt{ep}"),
-        "--out",
-        str(out),
-    )
+    args = ["--hf", str(hf), "--ep", str(ep), "--ckpt", str(folder / f"ckpt{ep}"), "--out", str(out), *extra]
+    run_torchrun(nproc, WORKER, *args)
     return torch.load(out, weights_only=True)
 
 
@@ -48,13 +38,19 @@ def ep2(moe_hf, tmp_path_factory):
     return _run(2, 2, moe_hf, tmp_path_factory.mktemp("lora_moe_ep2"))
 
 
+@pytest.fixture(scope="module")
+def ep2_distopt(moe_hf, tmp_path_factory):
+    """EP=2 with the distributed optimizer: dense adapters sharded over DP=2, expert adapters over expert-DP=1."""
+    return _run(2, 2, moe_hf, tmp_path_factory.mktemp("lora_moe_ep2_distopt"), "--distributed-optimizer")
+
+
 def _expert_names(res: dict) -> list[str]:
     return [n for n in res["adapters"] if ".experts.local_experts." in n]
 
 
 @pytest.mark.parametrize("which", ["ep1", "ep2"])
-def test_resume_sync_and_frozen_base(which, reference, ep2):
-    res = reference if which == "ep1" else ep2
+def test_resume_sync_and_frozen_base(which, request):
+    res = request.getfixturevalue({"ep1": "reference"}.get(which, which))
     # 4 layers x 8 experts x (fc1, fc2) x (A, B), full and canonically named on rank 0
     assert len(_expert_names(res)) == 4 * 8 * 2 * 2
     assert res["frozen_same"]
@@ -66,8 +62,9 @@ def test_resume_sync_and_frozen_base(which, reference, ep2):
     assert ((res["engine_after"] - res["resumed"]) * mask).abs().max().item() < 1e-4
 
 
-def test_ep2_matches_ep1(reference, ep2):
-    ref, got = reference, ep2
+@pytest.mark.parametrize("which", ["ep2", pytest.param("ep2_distopt", marks=pytest.mark.slow)])
+def test_ep2_matches_ep1(which, reference, request):
+    ref, got = reference, request.getfixturevalue(which)
     assert ref["grad_norm"] > 0.01
     assert (ref["after"] - ref["before"]).abs().max().item() > 1e-3
     assert (got["before"] - ref["before"]).abs().max().item() < 1e-5
