@@ -88,3 +88,51 @@ def test_peft_and_merge_exports_reproduce_the_trained_model(trained, tmp_path):
     assert (merged - plain).abs().max().item() > 1e-3  # training moved the adapters
     assert (merged_cli - merged).abs().max().item() < 1e-4
     assert (peft_logits - merged).abs().max().item() < 1e-4
+
+
+def test_qwen2_moe_expert_adapters_merge_but_peft_export_is_refused(tmp_path, capsys):
+    """Qwen2-MoE's shared expert: peft's MoE conversion retargets every bare gate_proj/up_proj to the fused
+    experts, so no PEFT folder loads these adapters exactly; lora-to-peft refuses in one line, lora-merge works."""
+    from transformers import Qwen2MoeConfig
+
+    from mcore_rl.config.model import LoraConfig
+    from mcore_rl.convert.cli import main
+    from mcore_rl.models.hf_io import HFReader
+    from mcore_rl.policy.lora_state import save_adapter_folder
+    from tests.convert.conftest import save_random_model
+
+    cfg = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+                         shared_expert_intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2, vocab_size=512)  # fmt: skip
+    hf = save_random_model(tmp_path / "hf", cfg)
+    g = torch.Generator().manual_seed(0)
+    p = "decoder.layers.0.mlp."
+    shapes = {f"{p}experts.local_experts.2.linear_fc1": (64, 64), f"{p}shared_experts.linear_fc2": (48, 64)}
+    tensors = {}
+    for lin, (inp, out) in shapes.items():
+        tensors[lin + ".lora_A"] = torch.randn(4, inp, generator=g)
+        tensors[lin + ".lora_B"] = torch.randn(out, 4, generator=g)
+    save_adapter_folder(tensors, tmp_path / "lora", LoraConfig(rank=4, alpha=8.0), hf)
+    args = ["--adapters", str(tmp_path / "lora"), "--out"]
+    capsys.readouterr()  # the base model's save progress bar
+    assert main(["--quiet", "lora-to-peft", *args, str(tmp_path / "peft")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: lora-to-peft: expert adapters of Qwen2MoeForCausalLM (shared expert)")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "peft").exists()
+    assert main(["--quiet", "lora-merge", *args, str(tmp_path / "merged")]) == 0
+    a, b = (
+        tensors[f"{p}experts.local_experts.2.linear_fc1.lora_A"],
+        tensors[f"{p}experts.local_experts.2.linear_fc1.lora_B"],
+    )
+    with HFReader(hf) as base, HFReader(tmp_path / "merged") as merged:
+        for i, proj in enumerate(("gate_proj", "up_proj")):  # fc1's B rows: [gate; up]
+            name = f"model.layers.0.mlp.experts.2.{proj}.weight"
+            want = base.get(name) + 2.0 * b[32 * i : 32 * (i + 1)] @ a
+            assert (merged.get(name) - want).abs().max().item() < 1e-5
+        name = "model.layers.0.mlp.shared_expert.down_proj.weight"
+        delta = (
+            2.0
+            * tensors[f"{p}shared_experts.linear_fc2.lora_B"]
+            @ tensors[f"{p}shared_experts.linear_fc2.lora_A"]
+        )
+        assert (merged.get(name) - (base.get(name) + delta)).abs().max().item() < 1e-5
