@@ -17,7 +17,7 @@ like the dense ones but over the expert's own linear: its `tp_group` (expert TP)
 from its weight, so under EP>1 the adapter is an expert-parallel parameter (DDP reduces its grad over the
 expert-data-parallel group, the optimizer puts it in the expert param group). Expert TP > 1 is refused: there the
 token dispatcher, not the linear, does the TP communication (`explicit_expert_comm`), so the regions above would
-count the adapter's dx and A's gradient twice. GroupedMLP / TEGroupedMLP (moe_grouped_gemm) are refused too: their
+count the adapter's dx and A's gradient once per expert-TP rank. GroupedMLP / TEGroupedMLP (moe_grouped_gemm) are refused too: their
 experts are one stacked weight, not a linear per expert.
 
 The adapters live on the linear itself (`lora_A`, `lora_B`) and run in a forward hook: parameter names of the base
@@ -119,9 +119,8 @@ def _add_adapter(gpt, name: str, linear, cfg: LoraConfig, seed: int) -> None:
     if hasattr(w, "allreduce"):
         linear.lora_A.allreduce = linear.lora_B.allreduce = w.allreduce
     sp = bool(getattr(linear, "sequence_parallel", False)) and tp_size > 1
-    if (
-        sp
-    ):  # the replicated factor's grad covers this rank's tokens only: summed over TP by finalize_model_grads
+    # under SP the replicated factor's grad covers this rank's tokens only: finalize_model_grads sums it over TP
+    if sp:
         dup.sequence_parallel = True
     linear._lora = LoraState(kind, cfg.alpha / cfg.rank, cfg.dropout, sp)
     linear.register_forward_hook(_lora_hook, with_kwargs=True)

@@ -64,7 +64,8 @@ def _slice(name: str, linear, which: str, full: torch.Tensor, rank: int, size: i
 def _tp_group(linear):
     from megatron.core import parallel_state as ps
 
-    return getattr(linear, "tp_group", None) or ps.get_tensor_model_parallel_group()
+    g = getattr(linear, "tp_group", None)  # expert TP for an expert's linear
+    return ps.get_tensor_model_parallel_group() if g is None else g
 
 
 @torch.no_grad()
