@@ -22,6 +22,10 @@ from mcore_rl.models.hf_io import HFReader, copy_side_files, write_hf_shards
 
 PEFT_PREFIX = "base_model.model."
 SUFFIXES = (".lora_A", ".lora_B")
+# MoE families whose per-expert PEFT adapters peft loads exactly onto transformers' fused expert stacks (checked:
+# tests/lora/test_lora_moe_cli.py). peft's v4 -> v5 MoE conversion retargets every bare gate_proj/up_proj/down_proj
+# to the fused experts, so a shared expert's adapters cannot be named; other families are unverified.
+PEFT_EXPERT_FAMILIES = ("Qwen3MoeForCausalLM",)
 
 
 def _linears(adapters: dict[str, torch.Tensor]) -> list[str]:
@@ -62,6 +66,17 @@ def _model(base: str | Path) -> tuple[ModelFamily, ModelArgs]:
     return family, family.args(hf)
 
 
+def _check_peft_experts(adapters: dict[str, torch.Tensor], args: ModelArgs) -> None:
+    moe = [n for n in adapters if ".mlp.experts." in n or ".mlp.shared_experts." in n]
+    shared = any(".shared_experts." in n for n in moe)
+    if moe and (shared or args.architecture not in PEFT_EXPERT_FAMILIES):
+        raise ConvertError(
+            f"lora-to-peft: expert adapters of {args.architecture}{' (shared expert)' if shared else ''} have no "
+            f"PEFT form that peft loads exactly (supported: {', '.join(PEFT_EXPERT_FAMILIES)}); "
+            "use lora-merge for a merged HF folder"
+        )
+
+
 def export_peft(
     adapter_dir: str | Path, out: str | Path, base: str | Path | None = None, force: bool = False
 ) -> Path:
@@ -71,6 +86,7 @@ def export_peft(
     adapters, cfg, meta = _read(adapter_dir)
     base = base or meta["base_model"]
     family, args = _model(base)
+    _check_peft_experts(adapters, args)
     tensors, modules = {}, set()
     for module, a, b in hf_module_adapters(adapters, family, args):
         tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous().clone()

@@ -178,7 +178,8 @@ def ddp_config_kwargs(impl: str, use_distributed_optimizer: bool) -> dict:
     )
 
 
-def layer_spec(a: ModelArgs, impl: str):
+def layer_spec(a: ModelArgs, impl: str, sequence_parallel: bool = False):
+    """The dense layer spec; `sequence_parallel` (TP > 1) on the local spec swaps in norms that support it."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if impl == "transformer_engine":
@@ -189,7 +190,12 @@ def layer_spec(a: ModelArgs, impl: str):
     rope.install()  # cos/sin once per forward instead of per layer; same numbers as Megatron's unfused RoPE
 
     # Megatron's local attention is unfused; SDPA computes the same softmax(QK^T)V in one fused kernel
-    return use_sdpa(specs.get_gpt_layer_local_spec(qk_layernorm=a.qk_norm, normalization="RMSNorm"))
+    spec = use_sdpa(specs.get_gpt_layer_local_spec(qk_layernorm=a.qk_norm, normalization="RMSNorm"))
+    if sequence_parallel:
+        from mcore_rl.models.sp_norm import sequence_parallel_block
+
+        return sequence_parallel_block(spec, a.num_layers)
+    return spec
 
 
 def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:

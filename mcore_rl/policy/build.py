@@ -64,9 +64,10 @@ def build_gpt_model(
     validate_moe_parallel(args, build.tp, build.ep, torch.distributed.get_world_size(), build.pp)
     impl = resolve_impl(build)
     config = build_transformer_config(args, build, trainable)
+    spec = moe_layer_spec(args, impl) if args.moe else layer_spec(args, impl, config.sequence_parallel)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=moe_layer_spec(args, impl) if args.moe else layer_spec(args, impl),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(args.vocab_size, build.tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

@@ -2,8 +2,9 @@
 into any layout, and saved as an adapter folder (`adapters.safetensors` + `lora.json`) that names the base model
 by path and content hash.
 
-Why full canonical tensors: they are layout-free (a TP=2 run's adapters load into TP=1 or PP=2), and they are what
-the PEFT export (convert/peft_export.py) splits into HF module names.
+Why full canonical tensors: they are layout-free (a TP=2 run's adapters load into TP=1 or PP=2, an EP=2 run's expert
+adapters into EP=1: canonical names carry the global expert index), and they are what the PEFT export
+(convert/peft_export.py) splits into HF module names.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _is_split(linear, which: str) -> bool:
 def _cat_parts(name: str, linear, which: str, parts: list[torch.Tensor]) -> torch.Tensor:
     if linear._lora.kind == "row":
         return torch.cat(parts, dim=1)
-    if name.endswith("mlp.linear_fc1.lora_B"):  # each rank holds [gate_r; up_r] rows, like fc1's weight
+    if name.endswith("linear_fc1.lora_B"):  # each rank holds [gate_r; up_r] rows, like fc1's weight
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(parts, dim=0)
@@ -54,10 +55,45 @@ def _slice(name: str, linear, which: str, full: torch.Tensor, rank: int, size: i
         return full
     if linear._lora.kind == "row":
         return torch.chunk(full, size, dim=1)[rank]
-    if name.endswith("mlp.linear_fc1.lora_B"):
+    if name.endswith("linear_fc1.lora_B"):
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([torch.chunk(gate, size, 0)[rank], torch.chunk(up, size, 0)[rank]], dim=0)
     return torch.chunk(full, size, dim=0)[rank]
+
+
+def _tp_group(linear):
+    from megatron.core import parallel_state as ps
+
+    g = getattr(linear, "tp_group", None)  # expert TP for an expert's linear
+    return ps.get_tensor_model_parallel_group() if g is None else g
+
+
+@torch.no_grad()
+def _stage_adapters(model) -> dict[str, torch.Tensor]:
+    """This pipeline stage's adapters, full: TP shards gathered over each linear's own group (expert TP for an
+    expert), and every EP rank's experts gathered into the stage's ranks (collective within the stage)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.policy.param_names import LOCAL_EXPERT, is_expert, num_local_experts
+
+    mine: dict[str, torch.Tensor] = {}
+    for name, which, linear, p in _local_adapters(model):
+        t = p.data.to("cpu", torch.float32, copy=True)  # a copy: never an alias of the live parameter
+        group = _tp_group(linear)
+        if group.size() > 1 and _is_split(linear, which):
+            t = _cat_parts(name, linear, which, [x.cpu() for x in D.all_gather(p.data.float(), group=group)])
+        mine[name] = t
+    ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    # every EP rank holds the same number of experts, in the same order: gather tensor by tensor
+    if ep_size > 1:
+        n_local = num_local_experts(unwrap(model))
+        for name in [k for k in mine if is_expert(k)]:
+            m = LOCAL_EXPERT.match(name)
+            j = int(m.group(2)) - ep_rank * n_local
+            parts = D.all_gather(mine[name], group=ps.get_expert_model_parallel_group())
+            for r, t in enumerate(parts):
+                mine[f"{m.group(1)}{r * n_local + j}{m.group(3)}"] = t
+    return mine
 
 
 @torch.no_grad()
@@ -67,16 +103,7 @@ def gather_adapters(model) -> dict[str, torch.Tensor] | None:
 
     from mcore_rl.policy.weight_stream import stage_src_rank
 
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    mine: dict[str, torch.Tensor] = {}
-    for name, which, linear, p in _local_adapters(model):
-        t = p.data.float().cpu()
-        if tp_size > 1 and _is_split(linear, which):
-            parts = [
-                x.cpu() for x in D.all_gather(p.data.float(), group=ps.get_tensor_model_parallel_group())
-            ]
-            t = _cat_parts(name, linear, which, parts)
-        mine[name] = t
+    mine = _stage_adapters(model)
     rank, out = D.global_rank(), {}
     my_stage = ps.get_pipeline_model_parallel_rank()
     for stage in range(ps.get_pipeline_model_parallel_world_size()):
@@ -94,13 +121,14 @@ def gather_adapters(model) -> dict[str, torch.Tensor] | None:
 @torch.no_grad()
 def load_adapters(model, get_full: Callable[[str], torch.Tensor]) -> int:
     """Fill this rank's adapter shards from full canonical tensors (any layout wrote them). Returns the count."""
-    from megatron.core import parallel_state as ps
-
-    rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     n = 0
     for name, which, linear, p in _local_adapters(model):
+        group = _tp_group(linear)
+        rank, size = group.rank(), group.size()
         shard = _slice(name, linear, which, get_full(name), rank, size)
-        copy_shard(p, shard, f"LoRA adapter {name} (tp={size})", "were the adapters made with this model.lora.rank?")
+        copy_shard(
+            p, shard, f"LoRA adapter {name} (tp={size})", "were the adapters made with this model.lora.rank?"
+        )
         n += 1
     return n
 

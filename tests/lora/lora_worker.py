@@ -1,6 +1,6 @@
 """torchrun worker: a LoRA policy at some TP/PP from the HF base + fixed non-zero adapters; reports log-probs, one
 Adam step's adapter grad norm, post-step log-probs, the gathered adapters, and (--sync) the embedded engine's
-log-probs after a merged-weight sync. Usage: lora_worker.py --hf DIR --tp N --pp M --out FILE [--sync]"""
+log-probs after a merged-weight sync. Usage: lora_worker.py --hf DIR --tp N --pp M --out FILE [--sync] [--sp]"""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--sync", action="store_true")
     ap.add_argument("--distributed-optimizer", action="store_true")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (TP > 1)")
     a = ap.parse_args()
     init_distributed(a.tp, a.pp)
     optim = OptimSettings(lr=1e-3, weight_decay=0.0, adam_beta2=0.999, clip_grad=0.0,
@@ -61,7 +62,7 @@ def main() -> None:
     policy = Policy(
         a.hf,
         PolicyConfig(
-            build=BuildConfig(tp=a.tp, pp=a.pp),
+            build=BuildConfig(tp=a.tp, pp=a.pp, sequence_parallel=a.sp),
             optim=optim,
             token_budget=48,
             lora=LoraConfig(rank=RANK, alpha=ALPHA),
@@ -89,10 +90,23 @@ def main() -> None:
         dist.broadcast_object_list(box, src=dist.get_world_size() - a.tp)
         before, after = box[0]
     if dist.get_rank() == 0:
-        res.update(before=before * mask, after=after * mask, grad_norm=stats["grad_norm"], adapters=adapters)
+        res.update(before=before * mask, after=after * mask, grad_norm=stats["grad_norm"], adapters=adapters,
+                   sp_linears=_sp_linears(policy))  # fmt: skip
         torch.save(res, a.out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _sp_linears(policy) -> int:
+    """Adapted linears running the sequence-parallel path, with their replicated factor marked for the TP sum."""
+    from mcore_rl.policy.build import unwrap
+    from mcore_rl.policy.lora import adapted_linears
+
+    n = 0
+    for _, m in adapted_linears(unwrap(policy.model)):
+        dup = m.lora_A if m._lora.kind == "column" else m.lora_B
+        n += int(m._lora.sequence_parallel and getattr(dup, "sequence_parallel", False))
+    return n
 
 
 def _sync(policy, hf: str, batch, policy_logp, a) -> dict:

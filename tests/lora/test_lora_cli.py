@@ -101,7 +101,6 @@ def _peft_export_equals_merged_export(run_dir, tmp_path) -> None:
 
 REFUSED = {
     "q_proj": ["model.lora.rank=4", "model.lora.target_modules=[q_proj]"],
-    "moe": ["model=tiny_moe", "model.lora.rank=4"],
 }
 
 
@@ -119,8 +118,39 @@ def test_bad_lora_settings_one_clear_line(refused):
     assert "model.lora.target_modules='q_proj'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_lora_on_moe_experts_refused_in_one_line(refused):
-    proc = refused["moe"]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "config error: model.lora.target_modules: linear_fc1 of MoE experts" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def _torchrun_two_steps(run_dir, *overrides: str) -> list[dict]:
+    """Two LoRA updates through `torchrun -m mcore_rl.train` on 2 ranks; the engine sampled step 2 after a merged
+    sync, so its log-probs equal the policy's."""
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "mcore_rl.train", *overrides, "model.lora.rank=4", "trainer.steps=2", "algorithm.kl_coef=0.01",
+           "algorithm.entropy_coef=0.01", "optim.lr=1e-2", f"run.dir={run_dir}"]  # fmt: skip
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(r["grad_norm"] > 1e-6 for r in recs)
+    assert recs[1]["train_rollout_logprob_abs_diff"] < 1e-5
+    return recs
+
+
+@pytest.mark.multiproc  # ~35 s: one torchrun launch of the trainer
+def test_lora_tp2_sequence_parallel_trains_through_the_cli(tmp_path):
+    recs = _torchrun_two_steps(tmp_path, *FAST, "parallel.tp=2", "parallel.sequence_parallel=true")
+    assert recs[1]["kl_loss"] > 0  # the adapters moved away from the base (the adapters-off reference)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # ~30 s, the EP=2 parity of tests/lora/test_lora_moe.py covers the same code
+def test_lora_moe_experts_ep2_trains_through_the_cli(tmp_path):
+    from tests.e2e.test_train_moe import FAST as MOE
+
+    _torchrun_two_steps(tmp_path, *MOE, "parallel=ep2",
+                        "model.lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]")  # fmt: skip
+    from mcore_rl.policy.lora_state import read_adapter_folder
+
+    adapters = read_adapter_folder(tmp_path / "lora")[
+        0
+    ]  # every expert's adapters, gathered from both EP ranks
+    assert sum(".experts.local_experts." in n for n in adapters) == 2 * 8 * 2 * 2

@@ -1,4 +1,4 @@
-"""TP=2 and PP=2 LoRA runs reproduce the TP=1 run (log-probs, adapter grad norm, the step), and the embedded
+"""TP=2 (with and without sequence parallelism) and PP=2 LoRA runs reproduce the TP=1 run (log-probs, adapter grad norm, the step), and the embedded
 engine reproduces the adapted policy after a merged-weight sync."""
 
 from __future__ import annotations
@@ -39,14 +39,16 @@ def test_tp1_sync_reproduces_the_adapted_policy(reference):
 
 @pytest.mark.parametrize(
     "tp,pp,extra",
-    [(2, 1, []), (1, 2, []), (1, 1, ["--distributed-optimizer"])],
-    ids=["tp2", "pp2", "dp2_distopt"],
+    [(2, 1, []), (2, 1, ["--sp"]), (1, 2, []), (1, 1, ["--distributed-optimizer"])],
+    ids=["tp2", "tp2_sp", "pp2", "dp2_distopt"],
 )
 def test_layout_matches_tp1(tp, pp, extra, reference, tiny_llama_dir, tmp_path):
     got = _run(
         2, tiny_llama_dir, tmp_path / f"tp{tp}pp{pp}.pt", "--tp", str(tp), "--pp", str(pp), "--sync", *extra
     )
     ref = reference
+    # tiny llama: 4 layers x 4 adapted linears, all on the sequence-parallel path under --sp
+    assert got["sp_linears"] == (16 if "--sp" in extra else 0)
     assert (ref["after"] - ref["before"]).abs().max().item() > 1e-3  # the step moved the adapters
     assert (got["before"] - ref["before"]).abs().max().item() < 1e-5
     assert abs(got["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"] < 1e-5
