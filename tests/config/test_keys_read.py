@@ -111,7 +111,6 @@ CLI_EXEMPT = {
     "logging.wandb_project": "needs the optional wandb package and an account",
     "rollout.nccl": "NCCL weight sync: GPU only",
     "rollout.launcher.gpu_ids": "CUDA_VISIBLE_DEVICES slices: GPU only",
-    "parallel.sequence_parallel": "set in tests/multiproc through the worker, not the CLI",
 }
 
 
