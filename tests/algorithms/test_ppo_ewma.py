@@ -154,3 +154,19 @@ def test_ewma_route_defaults(source):
     assert (c.ewma_beta, c.auto_reset, c.reset_keep_rate, c.reset_clip_frac) == (0.75, True, 0.5, 0.5)
     with pytest.raises(ValueError, match=r"reset_clip_frac must be in \[0, 1\], got 1.5"):
         build("ppo_ewma", old_logp_source=source, reset_clip_frac=1.5)
+
+
+def test_exact_route_says_once_when_the_gate_drops_most_tokens(caplog):
+    """Engine and trainer disagreeing by more than the gate at the same weights (bf16 rounding): one warning
+    naming the keys that widen it, not one per update; a gate that keeps everything says nothing."""
+    alg = build("ppo_ewma", old_logp_source="snapshot", **ASYNC2)
+    with caplog.at_level("WARNING", logger="mcore_rl.algorithms.ppo_ewma"):
+        res = step(alg, shifted(old=0.0, theta=0.0))                  # d = 1: kept
+        alg.after_optimizer_step(res.step_metrics)
+        assert res.step_metrics["ti_keep_rate"] == 1.0 and not caplog.records
+        for _ in range(2):
+            res = step(alg, shifted(old=0.02, theta=0.02))           # log d = 0.02 > log 1.005: all masked
+            alg.after_optimizer_step(res.step_metrics)
+    assert res.step_metrics["ti_keep_rate"] == 0.0
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "kept 0.00 of the tokens" in msgs[0] and "algorithm.ti_low / algorithm.ti_high" in msgs[0]
