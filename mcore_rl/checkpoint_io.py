@@ -141,6 +141,9 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 def optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool = False) -> dict:
     """The optimizer's dist-checkpoint entries in a format that saves (see OPTIMIZER_METADATA) and reshards."""
+    from mcore_rl.compat import distopt
+
+    distopt.apply()  # torch-Adam fallback fixes of the distributed optimizer's save/resume
     return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
 
 
@@ -259,9 +262,6 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
     else:
         unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:
-        from mcore_rl.compat import distopt
-
-        distopt.apply()
         optimizer.load_state_dict(state["optimizer"])
     state.pop("model", None)
     state.pop("optimizer", None)
