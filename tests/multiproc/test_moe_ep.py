@@ -47,6 +47,24 @@ def test_ep1_reference_and_engine_sync(reference):
     assert load["moe_load_max_over_mean"] >= 1.0
 
 
+def _pad_share(report: dict) -> float:
+    """Share of the routed token positions that were micro-batch or DP padding (counted by the router load too)."""
+    assert report["routed_tokens"] >= report["real_tokens"] > 0
+    return 1.0 - report["real_tokens"] / report["routed_tokens"]
+
+
+def _check_router_load(got: dict, ref: dict) -> None:
+    """The real tokens route identically in every layout, the padding does not: each layout pads its own micro-batches
+    (and DP ranks). An expert's share is (1 - f) * real_share + f * pad_share, f the padding's share of the routed
+    positions; top-k routes a token to k distinct experts, so both shares lie in [0, 1/k] and two layouts' shares
+    differ by at most max(f_ref, f_got) / k. Any larger gap is a real routing or counting difference."""
+    k = 2  # qwen3_moe_config: num_experts_per_tok
+    bound = max(_pad_share(ref), _pad_share(got)) / k
+    for key, v in ref["load"].items():
+        if key.startswith("moe_load_e"):
+            assert abs(got["load"][key] - v) <= bound + 1e-9, (key, got["load"][key], v, bound)
+
+
 @pytest.mark.parametrize("layout", [LAYOUTS[k] for k in LAYOUTS], ids=list(LAYOUTS))
 def test_expert_parallel_matches_ep1(layout, reference, moe_hf, tmp_path):
     ckpt, ref = reference
@@ -54,10 +72,7 @@ def test_expert_parallel_matches_ep1(layout, reference, moe_hf, tmp_path):
     got = layout_run(WORKER, nproc, moe_hf, ckpt, tmp_path / "ep.pt", "--tp", str(tp), "--pp", str(pp),
                      "--ep", str(ep))
     assert_same_step(got, ref)
-    # same routing of the real tokens; padding rows of the (differently split) micro-batches are counted too
-    for k, v in ref["load"].items():
-        if k.startswith("moe_load_e"):
-            assert abs(got["load"][k] - v) < 0.01, k
+    _check_router_load(got, ref)
     if "engine_after" in got:
         _check_engine(got)
     # the CPU/gloo sites of Megatron's MoE that compat/moe.py neutralises, as hit by the alltoall dispatcher
