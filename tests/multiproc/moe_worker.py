@@ -2,7 +2,7 @@
 Adam step's grad norm, post-step log-probs and router load; then sync the weights into the embedded engine
 (transformers' Qwen3-MoE) and report its log-probs.
 
-Usage: moe_worker.py --hf DIR --ckpt DIR --tp N --pp M --ep E --out FILE [--save-init]
+Usage: moe_worker.py --hf DIR --ckpt DIR --tp N --pp M --ep E --out FILE [--save-init] [--sp]
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ def main() -> None:
     ap = worker_parser(__doc__)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--aux-loss", type=float, default=0.0, help="MoE load-balancing loss weight")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (TP > 1)")
     a = ap.parse_args()
     init_distributed(a.tp, a.pp, ep=a.ep)
-    policy = layout_policy(a.hf, BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep, moe_aux_loss_coeff=a.aux_loss))
+    policy = layout_policy(a.hf, BuildConfig(tp=a.tp, pp=a.pp, ep=a.ep, moe_aux_loss_coeff=a.aux_loss,
+                                                   sequence_parallel=a.sp))
     routed = RoutedTokens(policy.model)
     res = step_from_shared_checkpoint(policy, a.hf, a.ckpt, a.save_init)
     routed_tokens = routed.total()
