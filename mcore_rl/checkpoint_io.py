@@ -135,7 +135,7 @@ def model_sharded_state_dict(model) -> dict:
 # flat per-rank slices (`ShardedTensor.flattened_range`) its own dist_checkpointing now refuses ("flattened_range is
 # not supported"); `dp_reshardable` saves the raw DP buffers, loadable only at the same TP/PP/EP. `fully_reshardable`
 # gathers each DP group's optimizer state into model-shaped tensors keyed by the parameter's canonical key (like the
-# plain optimizer), so a checkpoint resumes at any layout. Plain optimizers ignore the key.
+# plain optimizer): the format Megatron reshards across layouts. Plain optimizers ignore the key.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
