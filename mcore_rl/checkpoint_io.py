@@ -131,6 +131,22 @@ def model_sharded_state_dict(model) -> dict:
     return adapter_entries(sd) if has_adapters(model) else sd
 
 
+# The distributed optimizer's checkpoint format. Megatron-Core 0.16.1 defaults to `fully_sharded_model_space`, whose
+# flat per-rank slices (`ShardedTensor.flattened_range`) its own dist_checkpointing now refuses ("flattened_range is
+# not supported"); `dp_reshardable` saves the raw DP buffers, loadable only at the same TP/PP/EP. `fully_reshardable`
+# gathers each DP group's optimizer state into model-shaped tensors keyed by the parameter's canonical key (like the
+# plain optimizer): the format Megatron reshards across layouts. Plain optimizers ignore the key.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool = False) -> dict:
+    """The optimizer's dist-checkpoint entries in a format that saves (see OPTIMIZER_METADATA) and reshards."""
+    from mcore_rl.compat import distopt
+
+    distopt.apply()  # torch-Adam fallback fixes of the distributed optimizer's save/resume
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+
+
 def _fsync_own_files(tmp: Path, rank: int) -> None:
     """Each rank makes its own shard files durable (on a shared filesystem only the writer's client can)."""
     for f in tmp.iterdir():
@@ -196,7 +212,7 @@ def save_dist_checkpoint(
         _fail(final, tmp, err)
     sharded = {"model": model_sharded_state_dict(model)}
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+        sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"])
     if extra_sharded:
         sharded.update(extra_sharded)
     _use_in_process_results_queue()
@@ -234,7 +250,7 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
         raise FileNotFoundError(f"{p} is not a complete mcore-rl checkpoint (no {COMPLETE}); refusing to load it")
     sharded = {"model": model_sharded_state_dict(model)}
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+        sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"], is_loading=True)
     if extra_sharded:
         sharded.update(extra_sharded)
     state = dist_checkpointing.load(sharded, str(p))

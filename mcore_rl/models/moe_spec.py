@@ -20,8 +20,8 @@ from mcore_rl.models.base import ModelArgs
 def validate_moe_parallel(a: ModelArgs, tp: int, ep: int, world_size: int | None = None, pp: int = 1,
                           sequence_parallel: bool | None = None) -> None:
     """`sequence_parallel` is given for training builds: Megatron trains MoE with TP only under sequence
-    parallelism, and the local (CPU) layer spec's norm cannot run sequence-parallel, so TP x MoE training needs TE.
-    Conversion and verification are forward-only and run at any TP."""
+    parallelism (the local spec runs it with `sp_norm.TorchNorm`). Conversion and verification are forward-only and
+    run at any TP."""
     if ep < 1:
         raise ValueError(f"parallel.ep={ep} must be >= 1")
     if a.moe is None:
@@ -32,8 +32,7 @@ def validate_moe_parallel(a: ModelArgs, tp: int, ep: int, world_size: int | None
         raise ValueError(f"parallel.ep={ep} does not divide num_experts={a.moe.num_experts}")
     if sequence_parallel is not None and tp > 1 and not sequence_parallel:
         raise ValueError(f"parallel.tp={tp} with a Mixture-of-Experts model trains only with "
-                         "parallel.sequence_parallel=true (Megatron), which needs Transformer Engine; on CPU use "
-                         "parallel.tp=1 and parallel.ep for the experts")
+                         "parallel.sequence_parallel=true (Megatron)")
     if world_size is not None and (world_size // pp) % ep:
         raise ValueError(f"parallel.ep={ep} does not divide the {world_size // pp} ranks of a pipeline stage")
 
@@ -75,16 +74,25 @@ def _layer(a: ModelArgs, impl: str, num_experts: int | None):
                                           qk_layernorm=a.qk_norm, normalization="RMSNorm")
 
 
-def moe_layer_spec(a: ModelArgs, impl: str, pp_rank: int | None = None, pp: int | None = None):
+def moe_layer_spec(a: ModelArgs, impl: str, pp_rank: int | None = None, pp: int | None = None,
+                   sequence_parallel: bool = False):
     """Layer spec with a routed MoE MLP (SequentialMLP experts, so checkpoints name experts one by one).
 
     With dense layers among the MoE layers (HF `mlp_only_layers`, `decoder_sparse_step`), a block spec listing this
-    pipeline stage's layers, each MoE or dense (layers split evenly over stages: validate_parallel)."""
+    pipeline stage's layers, each MoE or dense (layers split evenly over stages: validate_parallel).
+    `sequence_parallel` (TP > 1 training) on the local spec: every norm, the final one too, is `sp_norm.TorchNorm`,
+    which runs on a sequence shard (Megatron's WrappedTorchNorm refuses it)."""
     from mcore_rl.compat import moe as moe_compat
 
     moe_compat.apply()
+    local_sp = sequence_parallel and impl != "transformer_engine"
     if not a.moe.dense_layers:
-        return _layer(a, impl, a.moe.num_experts)
+        layer = _layer(a, impl, a.moe.num_experts)
+        if local_sp:
+            from mcore_rl.models.sp_norm import sequence_parallel_block
+
+            return sequence_parallel_block(layer, a.num_layers)
+        return layer
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
@@ -92,6 +100,13 @@ def moe_layer_spec(a: ModelArgs, impl: str, pp_rank: int | None = None, pp: int 
     pp = ps.get_pipeline_model_parallel_world_size() if pp is None else pp
     per_stage = a.num_layers // pp
     moe, dense = _layer(a, impl, a.moe.num_experts), _layer(a, impl, None)
+    final_norm = LayerNormImpl
+    if local_sp:
+        from mcore_rl.models.sp_norm import TorchNorm, _swap_norms
+
+        _swap_norms(moe)
+        _swap_norms(dense)
+        final_norm = TorchNorm
     layers = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
     return TransformerBlockSubmodules(layer_specs=[moe if a.moe.is_moe_layer(i) else dense for i in layers],
-                                      layer_norm=LayerNormImpl)
+                                      layer_norm=final_norm)

@@ -64,7 +64,8 @@ def build_gpt_model(
     validate_moe_parallel(args, build.tp, build.ep, torch.distributed.get_world_size(), build.pp)
     impl = resolve_impl(build)
     config = build_transformer_config(args, build, trainable)
-    spec = moe_layer_spec(args, impl) if args.moe else layer_spec(args, impl, config.sequence_parallel)
+    sp = config.sequence_parallel
+    spec = moe_layer_spec(args, impl, sequence_parallel=sp) if args.moe else layer_spec(args, impl, sp)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

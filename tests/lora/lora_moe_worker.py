@@ -85,8 +85,7 @@ def main() -> None:
     stats = _step(policy, batch)
     after = policy.logprobs(batch)
     adapters = gather_adapters(policy.model)
-    # the dist checkpoint of a distributed optimizer fails in Megatron 0.16.1 here (flattened_range), LoRA or not
-    resume = {} if a.distributed_optimizer else _resume(policy, batch, mask, a.ckpt)
+    resume = _resume(policy, batch, mask, a.ckpt)
     changed = any(not torch.equal(p, base[n]) for n, p in policy.model.named_parameters() if n in base)
     from mcore_rl.distributed import all_ranks_any
 

@@ -48,7 +48,7 @@ def _expert_names(res: dict) -> list[str]:
     return [n for n in res["adapters"] if ".experts.local_experts." in n]
 
 
-@pytest.mark.parametrize("which", ["ep1", "ep2"])
+@pytest.mark.parametrize("which", ["ep1", "ep2", pytest.param("ep2_distopt", marks=pytest.mark.slow)])
 def test_resume_sync_and_frozen_base(which, request):
     res = request.getfixturevalue({"ep1": "reference"}.get(which, which))
     # 4 layers x 8 experts x (fc1, fc2) x (A, B), full and canonically named on rank 0
