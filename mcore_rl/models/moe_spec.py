@@ -102,10 +102,10 @@ def moe_layer_spec(a: ModelArgs, impl: str, pp_rank: int | None = None, pp: int 
     moe, dense = _layer(a, impl, a.moe.num_experts), _layer(a, impl, None)
     final_norm = LayerNormImpl
     if local_sp:
-        from mcore_rl.models.sp_norm import TorchNorm, _swap_norms
+        from mcore_rl.models.sp_norm import TorchNorm, swap_norms
 
-        _swap_norms(moe)
-        _swap_norms(dense)
+        swap_norms(moe)
+        swap_norms(dense)
         final_norm = TorchNorm
     layers = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
     return TransformerBlockSubmodules(layer_specs=[moe if a.moe.is_moe_layer(i) else dense for i in layers],

@@ -28,7 +28,7 @@ class TorchNorm:
         return norm
 
 
-def _swap_norms(spec) -> None:
+def swap_norms(spec) -> None:
     """Replace WrappedTorchNorm by TorchNorm everywhere in a (nested) ModuleSpec, in place."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -41,7 +41,7 @@ def _swap_norms(spec) -> None:
         if value is WrappedTorchNorm:
             setattr(subs, field, TorchNorm)
         elif isinstance(value, ModuleSpec):
-            _swap_norms(value)
+            swap_norms(value)
 
 
 def sequence_parallel_block(layer, num_layers: int):
@@ -50,6 +50,6 @@ def sequence_parallel_block(layer, num_layers: int):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    _swap_norms(layer)
+    swap_norms(layer)
     per_stage = num_layers // ps.get_pipeline_model_parallel_world_size()
     return TransformerBlockSubmodules(layer_specs=[layer] * per_stage, layer_norm=TorchNorm)
