@@ -51,11 +51,10 @@ def _is_gloo(group) -> bool:
 
 
 def _uneven_tp_collectives(mappings) -> None:
-    """Point 4 of the module docstring: uneven first-dim gather / reduce-scatter on gloo groups (called inside
-    Megatron's autograd functions, so the layer's detaching collectives are what they need)."""
-    from mcore_rl.distributed import all_gather, all_reduce
-
-    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    """Point 4 of the module docstring: uneven first-dim gather / reduce-scatter on gloo groups, built on Megatron's
+    own even gather and all-reduce (compat sits below mcore_rl.distributed, so it issues no collective itself)."""
+    gather, scatter, reduce = (mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim,
+                               mappings._reduce)  # fmt: skip
 
     def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or group.size() == 1 or not _is_gloo(group):
@@ -64,14 +63,14 @@ def _uneven_tp_collectives(mappings) -> None:
         longest = max(output_split_sizes)
         padded = input_.new_zeros((longest, *input_.shape[1:]))
         padded[: input_.shape[0]] = input_
-        parts = all_gather(padded, group=group)
+        parts = gather(padded, group).split(longest, dim=0)  # even sizes: Megatron's own all-gather
         return torch.cat([t[:n] for t, n in zip(parts, output_split_sizes)], dim=0)
 
     def scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
         if input_split_sizes is None or group.size() == 1 or not _is_gloo(group):
             return scatter(input_, group, input_split_sizes, use_global_buffer)
         HITS["tensor_parallel._reduce_scatter_along_first_dim(uneven) on gloo"] += 1
-        total = all_reduce(input_, group=group)
+        total = reduce(input_.contiguous().clone(), group)  # in place on the clone
         start = sum(input_split_sizes[: group.rank()])
         return total[start : start + input_split_sizes[group.rank()]].clone()
 
