@@ -82,10 +82,13 @@ def _refuse_unsupported(gpt, cfg: LoraConfig) -> None:
         )
 
 
-def _group_rank_size(linear) -> tuple[int, int]:
-    """(rank, size) in the group that shards this linear: the dense TP group, or expert TP for an expert."""
+def shard_group(linear):
+    """The group that shards this linear's weight, and so its adapter: the dense TP group, or expert TP for an
+    expert's linear (Megatron's parallel linears carry it as `tp_group`)."""
+    from megatron.core import parallel_state as ps
+
     g = getattr(linear, "tp_group", None)
-    return (0, 1) if g is None else (g.rank(), g.size())
+    return ps.get_tensor_model_parallel_group() if g is None else g
 
 
 def _add_adapter(gpt, name: str, linear, cfg: LoraConfig, seed: int) -> None:
@@ -96,7 +99,8 @@ def _add_adapter(gpt, name: str, linear, cfg: LoraConfig, seed: int) -> None:
             "model.lora needs model.transformer_impl=local: Transformer Engine fuses the layer "
             f"norm into {name}, so the adapter would see the un-normalised input"
         )
-    tp_rank, tp_size = _group_rank_size(linear)
+    group = shard_group(linear)
+    tp_rank, tp_size = group.rank(), group.size()
     if ".experts." in name and tp_size > 1:
         raise ConfigError(
             f"model.lora.target_modules: {name} is split over expert tensor parallelism ({tp_size}), which "
@@ -180,7 +184,7 @@ def _rank_r_input(module, st: LoraState, h: torch.Tensor) -> torch.Tensor:
     """
     from megatron.core import tensor_parallel as tpl
 
-    g = getattr(module, "tp_group", None)  # the expert-TP group for an expert's linear
+    g = shard_group(module)
     if st.kind == "column":
         if st.sequence_parallel:
             return tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=g)

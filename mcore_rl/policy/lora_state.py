@@ -20,7 +20,7 @@ import torch
 from mcore_rl import distributed as D
 from mcore_rl.config.model import LoraConfig
 from mcore_rl.policy.build import unwrap
-from mcore_rl.policy.lora import adapted_linears, is_adapter_param
+from mcore_rl.policy.lora import adapted_linears, is_adapter_param, shard_group
 from mcore_rl.policy.param_names import copy_shard
 
 ADAPTERS_FILE = "adapters.safetensors"
@@ -61,13 +61,6 @@ def _slice(name: str, linear, which: str, full: torch.Tensor, rank: int, size: i
     return torch.chunk(full, size, dim=0)[rank]
 
 
-def _tp_group(linear):
-    from megatron.core import parallel_state as ps
-
-    g = getattr(linear, "tp_group", None)  # expert TP for an expert's linear
-    return ps.get_tensor_model_parallel_group() if g is None else g
-
-
 @torch.no_grad()
 def _stage_adapters(model) -> dict[str, torch.Tensor]:
     """This pipeline stage's adapters, full: TP shards gathered over each linear's own group (expert TP for an
@@ -79,7 +72,7 @@ def _stage_adapters(model) -> dict[str, torch.Tensor]:
     mine: dict[str, torch.Tensor] = {}
     for name, which, linear, p in _local_adapters(model):
         t = p.data.to("cpu", torch.float32, copy=True)  # a copy: never an alias of the live parameter
-        group = _tp_group(linear)
+        group = shard_group(linear)
         if group.size() > 1 and _is_split(linear, which):
             t = _cat_parts(name, linear, which, [x.cpu() for x in D.all_gather(p.data.float(), group=group)])
         mine[name] = t
@@ -123,7 +116,7 @@ def load_adapters(model, get_full: Callable[[str], torch.Tensor]) -> int:
     """Fill this rank's adapter shards from full canonical tensors (any layout wrote them). Returns the count."""
     n = 0
     for name, which, linear, p in _local_adapters(model):
-        group = _tp_group(linear)
+        group = shard_group(linear)
         rank, size = group.rank(), group.size()
         shard = _slice(name, linear, which, get_full(name), rank, size)
         copy_shard(
