@@ -63,6 +63,9 @@ BASE_OVERRIDES = [
     "logging.plot=false",
     "logging.progress=false",
     "model.load_check.enabled=false",
+    # every arm trains every row, as the runs already in data/ did: skipping zero-gradient rows (GRPO-family arms
+    # only) is the same update but would make those arms' wall-clock incomparable with the rest
+    "trainer.skip_inert_rows=false",
 ]
 
 

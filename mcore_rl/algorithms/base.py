@@ -176,6 +176,9 @@ class Algorithm:
     name: ClassVar[str] = ""
     config_cls: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
     sum_keys: ClassVar[tuple[str, ...]] = ()     # extra accumulators a subclass fills via PolicyTerms.sums
+    # True where the policy-gradient term is the advantage times a finite factor, and no step-level decision reads
+    # statistics of rows that carry no gradient: then such rows may leave the forward/backward (`inert_rows`)
+    skips_inert_rows: ClassVar[bool] = False
 
     def __init__(self, config: AlgorithmConfig) -> None:
         if not isinstance(config, self.config_cls):
@@ -236,6 +239,26 @@ class Algorithm:
         if keep is not None:
             mask = mask * keep.to(mask.dtype)[:, None]
         return aggregation_weights(mask, group_ids, self.config.loss_agg_mode, reduce, self.config.max_response_len)
+
+    def inert_rows(self, advantages: Tensor, weights: Tensor) -> Tensor | None:
+        """[N] bool: rows that add exactly zero to the update's loss, gradient and step scale, so the trainer
+        may leave them out of the forward/backward (`trainer.skip_inert_rows`). None: this algorithm or config
+        cannot promise it.
+
+        Why it is exact: every global denominator is already in `weights` (computed over the whole batch), and
+        the loss is sum(w * per-token loss). A row whose weights are all zero (zero-variance filtering, empty
+        responses) adds nothing. A row with advantage exactly 0 adds nothing when the per-token loss is A x (...)
+        alone: no KL or entropy term, and no deferred / per-micro-batch renormalisation (their sums count
+        weights of rows that carry no gradient). Why it pays: late in a run most groups of a verifiable task
+        are all-correct, and their rows are half or more of the batch.
+        """
+        c = self.config
+        if not self.skips_inert_rows or self.needs_step_logp or c.renorm_dropped == "microbatch":
+            return None
+        inert = (weights == 0).all(dim=1)
+        if c.kl_coef == 0 and c.entropy_coef == 0 and c.renorm_dropped == "none":
+            inert = inert | (advantages == 0)
+        return inert
 
     # ---- the loss ----------------------------------------------------------------------------------
     def policy_terms(self, batch: TokenBatch, reduce: Reducer) -> PolicyTerms:

@@ -43,7 +43,8 @@ class CispoConfig(AlgorithmConfig):
 class CISPO(Algorithm):
     config_cls = CispoConfig
     config: CispoConfig
-    sum_keys = ("trunc_tokens",)
+    sum_keys = ("trunc_tokens",)  # a metric only: no decision reads it
+    skips_inert_rows = True  # -sg(clip(rho)) x A x logp; ScaleRL inherits it
 
     def policy_terms(self, batch: TokenBatch, reduce: Reducer) -> PolicyTerms:
         c, m = self.config, batch.mask

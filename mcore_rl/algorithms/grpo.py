@@ -63,6 +63,7 @@ class GrpoConfig(AlgorithmConfig):
 class GRPO(Algorithm):
     config_cls = GrpoConfig
     config: GrpoConfig
+    skips_inert_rows = True  # the clipped surrogate is A x (ratio term); DAPO and Dr.GRPO inherit it
 
     def clip_terms(self, batch: TokenBatch, anchor: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Clipped surrogate against `anchor`, the log-ratio (for subclasses) and the PPO metrics."""

@@ -87,6 +87,7 @@ class MuGRPO(GRPO):
     config_cls = MuGrpoConfig
     config: MuGrpoConfig
     sum_keys = ("nav_vetoed", "neg_tokens", "neg_ratio_sum")
+    skips_inert_rows = False  # its veto scopes read whole-sequence / whole-batch ratios, inert rows included
 
     def policy_terms(self, batch: TokenBatch, reduce: Reducer) -> PolicyTerms:
         c, m = self.config, batch.mask

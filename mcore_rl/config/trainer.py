@@ -18,6 +18,9 @@ class TrainerConfig:
     temperature: float = 0.7
     top_p: float = 1.0
     token_budget: int = 512         # tokens per micro-batch (rows x padded length): bounds activation memory
+    # leave rows whose gradient is exactly zero (advantage 0 under a loss linear in it, or all-zero weights) out
+    # of the forward/backward: same update, less compute; per-token metrics then cover the trained rows only
+    skip_inert_rows: bool = True
     resume: str = "auto"            # auto: continue from run.dir/checkpoints/latest if present | never
     save_every: int = 10            # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2       # newest checkpoints kept (0 = keep every one)

@@ -82,6 +82,12 @@ class ComputeMeter:
         self.state.tokens_generated += float(sum(r for _, r in lengths))
         self.state.tokens_trained += float(sum(p + r for p, r in lengths))
 
+    def skip_training(self, lengths: list[tuple[int, int]]) -> None:
+        """Sequences of a counted round that the update left out of the forward/backward (their gradient was
+        exactly zero, `trainer.skip_inert_rows`): not trained, so neither their FLOPs nor their tokens count."""
+        self.state.flops_train -= 3.0 * self.flops.forward(lengths)
+        self.state.tokens_trained -= float(sum(p + r for p, r in lengths))
+
     def add_eval_time(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.state.eval_s += seconds
         self.state.wallclock_s -= seconds

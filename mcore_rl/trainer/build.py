@@ -235,7 +235,7 @@ def _round_parts(
     prompts_log = PromptsLog(lay.run_dir / "prompts.jsonl", enabled=lay.rank == 0)
     guard = NonFiniteGuard(max_consecutive=t.max_nonfinite_skips)
     learner = Learner(p.policy, algorithm, oldlogp, guard, t.temperature, lay.dp, lay.dp_rank, prompts_log,
-                      ref=p.ref, ewma=p.ewma)  # fmt: skip
+                      ref=p.ref, ewma=p.ewma, skip_inert_rows=t.skip_inert_rows)  # fmt: skip
     return rounds, learner, prompts_log
 
 

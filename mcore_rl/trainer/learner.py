@@ -35,10 +35,11 @@ class Learner:
         prompts_log: PromptsLog,
         ref: Any = None,
         ewma: Any = None,
+        skip_inert_rows: bool = False,
     ) -> None:
         self.policy, self.algorithm, self.oldlogp, self.guard = policy, algorithm, oldlogp, guard
         self.temperature, self.dp, self.dp_rank, self.prompts_log = temperature, dp, dp_rank, prompts_log
-        self.ref, self.ewma = ref, ewma
+        self.ref, self.ewma, self.skip_inert_rows = ref, ewma, skip_inert_rows
 
     def anchors(self, rb: RolloutBatch, version: int) -> dict[str, torch.Tensor]:
         """old_logp (from the source; None = anchor on the engine's rollout log-probs) and ref_logp, whole round."""
@@ -49,6 +50,18 @@ class Learner:
         if self.ref is not None:
             out["ref_logp"] = _last_stage(self.ref.logprobs(rb.policy_batch(), self.temperature), rb)
         return out
+
+    def skipped_lengths(self, rb: RolloutBatch, adv: Any) -> list[tuple[int, int]]:
+        """(prompt, response) lengths of the round's rows that every update left out (inert on every DP rank
+        alike: the property is per row), for the compute meter. Empty when nothing is skipped."""
+        if not self.skip_inert_rows:
+            return []
+        weights = self.algorithm.token_weights(rb.loss_mask, rb.group_ids, keep=adv.keep)  # whole round: global
+        inert = self.algorithm.inert_rows(adv.advantages, weights)
+        if inert is None or bool(inert.all()):  # all inert: the updates still run a row each; counted in full
+            return []
+        total = rb.policy_batch().lengths()
+        return [(int(total[i]) - int(rb.response_len[i]), int(rb.response_len[i])) for i in inert.nonzero().flatten()]
 
     def _prox_logp(self, rb: RolloutBatch) -> torch.Tensor:
         """PPO-EWMA: proximal log-probs under the current EWMA weights."""
@@ -84,6 +97,7 @@ class Learner:
             self.ewma,
             guard=self.guard,
             update_index=update_index,
+            skip_inert_rows=self.skip_inert_rows,
         )
         metrics["time_train"] = time.perf_counter() - t0
         per = -(

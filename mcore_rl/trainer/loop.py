@@ -57,6 +57,8 @@ def train(c: Components, state: RunState) -> dict[str, float]:
             last["zero_variance_groups_dropped"] = float(adv.num_zero_variance_groups)
             if u < n_up - 1:
                 c.runlog.log(state.update, last)
+        if c.rounds.compute is not None:  # rank 0: rows no update trained cost no training FLOPs
+            c.rounds.compute.skip_training(c.learner.skipped_lengths(rb, adv))
         with timed(times, "time_switch"):
             c.schedule.after_train()  # staged: the engine takes its memory back
         with timed(times, "time_sync"):

@@ -150,16 +150,34 @@ def _after_step(policy, alg: Algorithm, metrics: dict[str, float], ewma) -> None
             ewma.update(params)
 
 
+def live_rows(alg: Algorithm, advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+    """Rows to run forward/backward on, or None for all: the algorithm's inert rows left out (`inert_rows`), at
+    least one row kept so that every rank still runs the update's collectives."""
+    inert = alg.inert_rows(advantages, weights)
+    if inert is None or not bool(inert.any()):
+        return None
+    live = (~inert).nonzero().flatten()
+    return live if live.numel() else torch.zeros(1, dtype=torch.long)
+
+
 def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tensor, keep: torch.Tensor,
                anchors: dict[str, torch.Tensor], temperature: float, ewma=None,
-               guard: NonFiniteGuard | None = None, update_index: int | None = None) -> dict[str, float]:
+               guard: NonFiniteGuard | None = None, update_index: int | None = None,
+               skip_inert_rows: bool = False) -> dict[str, float]:
     """Train on this DP rank's rows `rb` of one mini-batch. `anchors`: old_logp / prox_logp / ref_logp [N, L].
-    `guard`: skip the step when anything is non-finite; `update_index` (1-based) names it in logs."""
+    `guard`: skip the step when anything is non-finite; `update_index` (1-based) names it in logs;
+    `skip_inert_rows`: leave rows with an exactly zero gradient out of the forward/backward (`live_rows`)."""
     reduce = dp_reducer()
-    weights = alg.token_weights(rb.loss_mask, rb.group_ids, reduce, keep)
+    weights = alg.token_weights(rb.loss_mask, rb.group_ids, reduce, keep)  # denominators over the whole batch
     adv_tok = advantages[:, None].float() * rb.loss_mask
     extras = {"adv": adv_tok, "rollout_logp": rb.rollout_logp, "w": weights.float(), **anchors}
     batch = rb.policy_batch(**extras)
+    live = live_rows(alg, advantages, weights) if skip_inert_rows else None
+    trained = {"trained_rows_frac": 1.0}
+    if live is not None:
+        trained["trained_rows_frac"] = live.numel() / max(len(batch), 1)
+        batch = batch.select(live)
+        batch.index = None  # a row subset of the update, not a micro-batch of it
     step_metrics = {}
     if alg.needs_step_logp:  # e.g. P3O ess_scope=batch: whole-batch statistics before the first micro-batch
         logp = policy.logprobs(rb.policy_batch(), temperature)  # None off the last PP stage (it has no loss)
@@ -169,7 +187,7 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
     policy.zero_grad()
     outs = policy.forward_backward(batch, _loss_fn(alg, reduce, nan_at(update_index)), temperature,
                                    with_entropy=True)
-    metrics = {**(mean_metrics(outs) if outs else {}), **step_metrics}
+    metrics = {**(mean_metrics(outs) if outs else {}), **step_metrics, **trained}
     if policy.is_last_stage():
         acc = alg.finish_accumulation(reduce)
         metrics.update(acc.metrics)

@@ -33,11 +33,17 @@ COMMON = [
 ]
 
 
-def test_lora_resume_after_sigkill_matches_uninterrupted(tmp_path):
-    ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> tuple:
+    """One uninterrupted LoRA run (4 updates, checkpoints at 2 and 4): (run dir, records by step)."""
+    ref_dir = tmp_path_factory.mktemp("lora_cli") / "ref"
     proc = run(train_cmd(*COMMON, f"run.dir={ref_dir}"))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ref = {r["step"]: r for r in records(ref_dir)}
+    return ref_dir, {r["step"]: r for r in records(ref_dir)}
+
+
+def test_lora_checkpoint_holds_adapters_only_and_exports_agree(lora_run, tmp_path):
+    ref_dir, ref = lora_run
     ckpt = ref_dir / "checkpoints" / "step_000004"
     meta = json.loads((ckpt / "complete.json").read_text())
     assert len(meta["lora_base"]["base_sha256"]) == 64
@@ -46,6 +52,15 @@ def test_lora_resume_after_sigkill_matches_uninterrupted(tmp_path):
     adapters = 2 * 4 * ((64 + 128) + (64 + 64) + (64 + 256) + (128 + 64))
     assert 3 * adapters * 4 <= shard_bytes < 8 * adapters * 4  # weights + Adam's two moments (fp32): no base
     assert ref[2]["kl_loss"] > 0  # the reference (adapters off) differs from the trained policy
+    _peft_export_equals_merged_export(ref_dir, tmp_path)
+
+
+# slow (~30 s, two more trainer runs): the SIGKILL + resume path is the full-weight one of tests/e2e/test_train_tiny.py,
+# and adapters + optimizer state reloading exactly (the next step bitwise) is tests/lora/test_lora_moe.py's
+@pytest.mark.slow
+def test_lora_resume_after_sigkill_matches_uninterrupted(lora_run, tmp_path):
+    _, ref = lora_run
+    kill_dir = tmp_path / "killed"
     p = subprocess.Popen(
         train_cmd(*COMMON, f"run.dir={kill_dir}"),
         env=_env(),
@@ -68,7 +83,6 @@ def test_lora_resume_after_sigkill_matches_uninterrupted(tmp_path):
     for step in (3, 4):
         assert abs(resumed[step]["loss"] - ref[step]["loss"]) <= 1e-6, (step, resumed[step], ref[step])
     assert ref[3]["loss"] != ref[4]["loss"]
-    _peft_export_equals_merged_export(ref_dir, tmp_path)
 
 
 def _peft_export_equals_merged_export(run_dir, tmp_path) -> None:

@@ -165,3 +165,21 @@ def test_cli_trains_tiny_in_bf16_with_auto_choice_logged(tmp_path):
             assert "dtype: bf16" in recorded and "lm_head_fp32: true" in recorded
             assert "bf16_stochastic_rounding: true" in recorded  # policy/stochastic_round.py
             assert "bf16 master -> model weight copy: stochastic rounding" in proc.stderr
+
+
+def test_as_avx2_makes_auto_choose_fp32():
+    """`scripts/as_avx2.sh` (the AVX2-only machine kind, reproduced on any x86 CPU): bf16 matmuls lose their
+    native kernels, and `auto`'s own measurement then picks fp32, as it does on a real AVX2-only machine."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import torch; from mcore_rl.policy import precision as p; print(torch.backends.cpu.get_cpu_capability(), "
+            "p.resolve_dtype('auto'), round(p.measure_matmul_rates(rounds=1).bf16_gflops))")  # fmt: skip
+    out = subprocess.run(["bash", str(REPO / "scripts/as_avx2.sh"), sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=120, cwd=REPO, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    cap, dtype, bf16 = out.stdout.split()
+    assert (cap, dtype) == ("AVX2", "fp32"), out.stdout
+    assert int(bf16) < 20  # GFLOP/s: emulated bf16 (natively 100+ on one thread here)

@@ -57,6 +57,23 @@ def free_port(span: int = 1) -> int:
 
 
 @dataclass
+def rendezvous_port() -> int:
+    """A free port below the kernel's ephemeral range (32768-60999 by default). The job binds it only after Slurm
+    starts it, seconds later: an ephemeral port free now can by then be the source port of any outgoing connection
+    on the machine (a rendezvous then failed with EADDRINUSE in the suite), one outside that range cannot."""
+    import random
+    import socket
+
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 class LocalSlurm:
     """Handle on the running test cluster; every client call goes through `env` (SLURM_CONF)."""
 
@@ -73,7 +90,7 @@ class LocalSlurm:
     def sbatch(self, workdir: Path, *args: str, env: dict[str, str] | None = None, nodes: int = 1,
                options: tuple[str, ...] = ()) -> str:
         """Submit train.sbatch from `workdir` (its run dirs go to workdir/runs); returns the job id."""
-        job_env = {**self.env, "MCORE_RL_RDZV_PORT": str(free_port()), **(env or {})}
+        job_env = {**self.env, "MCORE_RL_RDZV_PORT": str(rendezvous_port()), **(env or {})}
         proc = self.run("sbatch", "--parsable", f"--nodes={nodes}", f"--output={workdir}/%x-%j.out", *options,
                         str(TRAIN_SBATCH), *args, env=job_env, cwd=workdir)
         return proc.stdout.strip().split(";")[0]
