@@ -56,7 +56,6 @@ def free_port(span: int = 1) -> int:
     raise RuntimeError("no free port range found")
 
 
-@dataclass
 def rendezvous_port() -> int:
     """A free port below the kernel's ephemeral range (32768-60999 by default). The job binds it only after Slurm
     starts it, seconds later: an ephemeral port free now can by then be the source port of any outgoing connection
@@ -74,6 +73,7 @@ def rendezvous_port() -> int:
     return free_port()
 
 
+@dataclass
 class LocalSlurm:
     """Handle on the running test cluster; every client call goes through `env` (SLURM_CONF)."""
 
