@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from mcore_rl.compat.malloc import trim
 from mcore_rl.trainer.build import Components
 from mcore_rl.trainer.state import RunState
 
@@ -57,6 +58,7 @@ def train(c: Components, state: RunState) -> dict[str, float]:
             last["zero_variance_groups_dropped"] = float(adv.num_zero_variance_groups)
             if u < n_up - 1:
                 c.runlog.log(state.update, last)
+        trim()  # the round's freed activation buffers back to the OS (compat/malloc.py: RSS grew per update)
         if c.rounds.compute is not None:  # rank 0: rows no update trained cost no training FLOPs
             c.rounds.compute.skip_training(c.learner.skipped_lengths(rb, adv))
         with timed(times, "time_switch"):
