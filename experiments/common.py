@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plan import MARKER as DONE
-from plan import decide, probe, set_aside, write_marker
+from plan import decide, drop_checkpoints, probe, set_aside, write_marker
 
 EXP_ROOT = Path(os.environ.get("MCORE_RL_EXP_ROOT", "/work/exp_runs"))
 # the trainer phases whose per-update seconds every arm keeps (where the time goes)
@@ -157,6 +157,7 @@ def run_arm(exp: str, arm: Arm, seed: int, steps: int | None = None) -> Path:
     state = probe(run_dir)
     if state.last_rc == 0 and state.last_eval_step is not None and state.last_eval_step >= steps:
         write_marker(run_dir, {"steps": steps, "seed": seed, "arm": arm.name, "finished": time.time()})
+        drop_checkpoints(run_dir)
     else:
         print(f"{tag} NOT finished (rc={state.last_rc}, last eval at {state.last_eval_step}); see {run_dir}",
               file=sys.stderr, flush=True)

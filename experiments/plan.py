@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,14 @@ def write_marker(run_dir: Path, payload: dict) -> None:
     tmp = run_dir / f".{MARKER}.tmp"
     tmp.write_text(json.dumps(payload, indent=1))
     os.replace(tmp, run_dir / MARKER)
+
+
+def drop_checkpoints(run_dir: Path) -> None:
+    """With MCORE_RL_EXP_DROP_CHECKPOINTS=1 (queue.sh sets it), a finished run (marker written) keeps only its
+    records: its checkpoints (1.8-2.6 GB per SmolLM2 arm) go, or the whole queue would need ~150 GB and fill the
+    disk part-way (it did, with ten runs kept). The price: such an arm cannot later be extended to more updates."""
+    if os.environ.get("MCORE_RL_EXP_DROP_CHECKPOINTS") == "1":
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
 def set_aside(run_dir: Path) -> Path:

@@ -9,6 +9,9 @@
 # -C DIR`), so that editing the working tree while the queue runs cannot change (or break) runs not yet started.
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH="${CODE:-$PWD}"
+# a finished run keeps its records, not its checkpoints (~2 GB each; the full queue would fill a 100 GB disk):
+# MCORE_RL_EXP_DROP_CHECKPOINTS=0 keeps them (needed only to extend a finished arm to more updates)
+export MCORE_RL_EXP_DROP_CHECKPOINTS="${MCORE_RL_EXP_DROP_CHECKPOINTS:-1}"
 args=(--seeds "${SEEDS:-3}" ${GPU_MODEL:+--gpu "$GPU_MODEL"} "$@")
 for exp in mu_grpo_vs_grpo ppo_ewma_async p3o_vs_grpo scaling_prediction; do
     python "experiments/$exp/run.py" "${args[@]}" || echo "$exp: exit $? (continuing with the next experiment)"

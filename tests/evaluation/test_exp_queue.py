@@ -124,8 +124,10 @@ def test_run_arm_resumes_after_a_crash_and_never_reruns_a_finished_arm(tmp_path,
     assert plan.probe(run).checkpoint_update == 4
 
     monkeypatch.setenv("FAKE_CRASH_AT", "-1")
+    monkeypatch.setenv("MCORE_RL_EXP_DROP_CHECKPOINTS", "1")  # as queue.sh runs it
     common.run_arm("exp", arm, 7)
     assert json.loads((run / plan.MARKER).read_text())["steps"] == 8
+    assert not (run / "checkpoints").exists()  # finished: only the records are kept
     common.run_arm("exp", arm, 7)  # finished: skipped
     assert (run / "calls.log").read_text().splitlines() == ["start=0 seed=7", "start=4 seed=7"]
     meta = json.loads((run / "arm.json").read_text())
