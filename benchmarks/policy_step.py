@@ -88,9 +88,9 @@ def step_peak_mb(torch, step, device: str) -> tuple[float, float]:
         step()
         peak = torch.cuda.max_memory_allocated()
         return peak / 2**20, (peak - before) / 2**20
-    import ctypes
+    from mcore_rl.compat.malloc import trim
 
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages back to the OS: the pre-step RSS is the live set
+    trim()  # free heap pages back to the OS: the pre-step RSS is the live set
     before = _status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS

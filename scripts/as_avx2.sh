@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run a command as on the AVX2-only machine kind (no AVX-512, no AMX, no native bf16) from a CPU that has them:
-# torch's own kernels, MKL and oneDNN each capped at AVX2. On an AVX-512 + avx512_bf16 EPYC this measured fp32
-# torch.mm 72-93 GFLOP/s and bf16 2.2 (an AVX2-only EPYC: 109 and 1), so `model.dtype=auto` picks fp32 as it
-# does there. Timings still differ from a real AVX2 machine (clock, caches): compare ratios from one machine.
+# torch's own kernels, MKL and oneDNN each capped at AVX2. On an AVX-512 + avx512_bf16 EPYC this measured bf16
+# torch.mm at 2 GFLOP/s (an AVX2-only EPYC: 1), so `model.dtype=auto` picks fp32 as it does there. It reproduces
+# the dtype choice, not the speed: fp32 torch.mm stayed at 148-188 GFLOP/s quiet (the AVX2-only EPYC: 109; MKL
+# runs AVX2 kernels on AMD CPUs anyway). Compare ratios from one machine.
 #   bash scripts/as_avx2.sh bash scripts/run_main.sh
 #   bash scripts/as_avx2.sh python benchmarks/policy_step.py --dtypes fp32
 # Its own torch.compile (inductor) cache: inductor's on-disk cache is not keyed by ATEN_CPU_CAPABILITY, and a

@@ -24,12 +24,16 @@ M_ARENA_MAX = -8
 _DONE = False
 
 
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def tune_malloc(arena_max: int = 2, trim_threshold: int = 64 << 20, mmap_threshold: int = 64 << 20) -> bool:
     global _DONE
     if _DONE:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         ok = all(
             bool(libc.mallopt(opt, value))
             for opt, value in (
@@ -52,6 +56,6 @@ def trim() -> bool:
     24 updates of an experiment arm, which the OOM killer then took), while a step's own reuse is what the
     threshold is for. No-op where glibc is unavailable."""
     try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+        return bool(_libc().malloc_trim(0))
     except (OSError, AttributeError):
         return False
