@@ -1,6 +1,6 @@
 """PPO-EWMA under async staleness k = 2 and 4: which anchor keeps training stable and accurate, the exact
-snapshot of pi_old, the EWMA proximal policy (from engine or recomputed log-probs), or PPO clipped directly
-against the engine's log-probs. See README.md.
+snapshot of pi_old, the EWMA proximal policy, or PPO clipped directly against recomputed (trainer forward at the
+current weights) or the engine's log-probs. See README.md.
 
     PYTHONPATH=. python experiments/ppo_ewma_async/run.py --seeds 3      # run (resumable), then report
     PYTHONPATH=. python experiments/ppo_ewma_async/run.py --report-only
@@ -31,9 +31,9 @@ ANCHORS = {  # name -> (label, overrides)
         "PPO-EWMA, EWMA anchor (engine log-probs)",
         ["algorithm=ppo_ewma", "algorithm.old_logp_source=rollout"],
     ),
-    "recompute": (
-        "PPO-EWMA, EWMA anchor (recomputed log-probs)",
-        ["algorithm=ppo_ewma", "algorithm.old_logp_source=recompute"],
+    "recompute": (  # PPO-EWMA refuses recompute (neither of its routes reads it): the verl-style anchor is PPO-clip
+        "PPO-clip on recomputed log-probs (no EWMA)",
+        ["algorithm=grpo", "algorithm.kl_coef=0.0", "algorithm.old_logp_source=recompute"],
     ),
     "rollout": (
         "PPO-clip on engine log-probs (no EWMA)",

@@ -8,7 +8,7 @@ with the anchor pi_a picked by `old_logp_source` (two routes):
 - exact (snapshot | old_logit_model | interrupt): pi_a = pi_old, the trainer at version v. d compares like
   with like (same weights, engine vs trainer), so the tight TI bounds hold at any staleness; s carries all
   of it. No EWMA weights exist (needs_prox_logp is False), so EWMA keys set with these sources are refused.
-- ewma (rollout | recompute: pi_old missing or approximate): pi_a = pi_prox = pi_theta_bar.
+- ewma (rollout: pi_old missing): pi_a = pi_prox = pi_theta_bar.
   log d = log(pi_prox / pi_v) + log(pi_v / pi_infer) = drift + TI. theta_bar has mean age a steps (ewma.py)
   and a token lags at most L steps (lag_steps), so |theta_bar - v| <= a + L steps; PPO's clip bounds one
   step's move by log(1 + eps_high) up, log(1 - eps_low) down. The gate is the TI bounds widened by (a + L)
@@ -18,6 +18,9 @@ with the anchor pi_a picked by `old_logp_source` (two routes):
   keep-rate under theta, gate widened by L only, beats the step's), never under async with a < L. What a reset
   always does is set s = 1: it revives an anchor so far behind theta that the clip starves the gradient. So it
   fires on clip fraction >= reset_clip_frac, or on keep-rate < reset_keep_rate when theta would keep more.
+
+`recompute` is refused: its log-probs (trainer forward at the current weights, the wrong version for stale
+tokens) would enter neither route -- the exact route needs pi_old, the ewma route reads pi_prox and pi_infer.
 
 objective=original is Hilton et al.'s PPO-EWMA: -(pi_a / pi_behav) * min(s A, clip(s) A), with the behaviour
 log-prob floored at logp_theta - log(imp_samp_max) so the weight is at most imp_samp_max.
@@ -65,7 +68,7 @@ class PpoEwmaConfig(AlgorithmConfig):
     schedule: str = "sync"             # the loss is the same sync or async (max_staleness applies to async)
     updates_per_rollout: int = 4
     max_staleness: int = 2
-    old_logp_source: str = "rollout"   # rollout|recompute: EWMA proximal anchor | snapshot|old_logit_model|
+    old_logp_source: str = "rollout"   # rollout: EWMA proximal anchor | snapshot|old_logit_model|
     #                                    interrupt: exact pi_old anchor, no EWMA
     loss_agg_mode: str = "token-mean"
     objective: str = "decoupled"       # decoupled | original
@@ -88,13 +91,17 @@ class PpoEwmaConfig(AlgorithmConfig):
         owner = f"algorithm {self.name!r}"
         check_choice(owner, "objective", self.objective, OBJECTIVES)
         check_choice(owner, "ti_level", self.ti_level, LEVELS)
+        if self.old_logp_source == "recompute":
+            raise ValueError(f"{owner}: old_logp_source=recompute computes log-probs its loss never reads (the "
+                             "EWMA route anchors on pi_prox and the engine's log-probs); use rollout (EWMA anchor) "
+                             "or snapshot|old_logit_model|interrupt (exact pi_old)")
         if is_exact(self.old_logp_source):
             given = [k for k in EWMA_DEFAULTS if getattr(self, k) is not None]
             if given:
                 raise ValueError(f"{owner}: {', '.join(given)} set with "
                                  f"old_logp_source={self.old_logp_source}, whose exact old logits replace "
                                  "the EWMA proximal policy (none is kept); unset it or use "
-                                 "old_logp_source=rollout|recompute")
+                                 "old_logp_source=rollout")
         else:
             for k, v in EWMA_DEFAULTS.items():
                 if getattr(self, k) is None:

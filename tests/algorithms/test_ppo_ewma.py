@@ -148,12 +148,20 @@ def test_ewma_keys_with_an_exact_source_are_refused(source, key, value):
         build("ppo_ewma", old_logp_source=source, **{key: value})
 
 
-@pytest.mark.parametrize("source", ["rollout", "recompute"])
-def test_ewma_route_defaults(source):
-    c = build("ppo_ewma", old_logp_source=source).config
+def test_ewma_route_defaults():
+    c = build("ppo_ewma", old_logp_source="rollout").config
     assert (c.ewma_beta, c.auto_reset, c.reset_keep_rate, c.reset_clip_frac) == (0.75, True, 0.5, 0.5)
     with pytest.raises(ValueError, match=r"reset_clip_frac must be in \[0, 1\], got 1.5"):
-        build("ppo_ewma", old_logp_source=source, reset_clip_frac=1.5)
+        build("ppo_ewma", old_logp_source="rollout", reset_clip_frac=1.5)
+
+
+@pytest.mark.parametrize("objective", ["decoupled", "original"])
+def test_recompute_is_refused(objective):
+    """Neither route reads recomputed log-probs (exact: pi_old; ewma: pi_prox and pi_infer), so a forward per
+    round would be spent on nothing: refused, naming the sources that mean something."""
+    with pytest.raises(ValueError, match=r"old_logp_source=recompute computes log-probs its loss never reads .*"
+                                         r"use rollout \(EWMA anchor\) or snapshot\|old_logit_model\|interrupt"):
+        build("ppo_ewma", old_logp_source="recompute", objective=objective)
 
 
 def test_exact_route_says_once_when_the_gate_drops_most_tokens(caplog):

@@ -138,6 +138,6 @@ def test_algorithm_config_reads_old_logit_choices_from_the_registry():
     try:
         assert build_algorithm({"name": "grpo", "old_logp_source": "mine"}).config.old_logp_source == "mine"
         assert build_algorithm({"name": "ppo_ewma", "old_logp_source": "mine"}).config.exact is True
-        assert build_algorithm({"name": "ppo_ewma", "old_logp_source": "recompute"}).config.exact is False
+        assert build_algorithm({"name": "ppo_ewma", "old_logp_source": "rollout"}).config.exact is False
     finally:
         del SOURCES._entries["mine"]
