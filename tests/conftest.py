@@ -15,6 +15,34 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
+# Modules that must share one xdist worker: the session-scoped local Slurm cluster serves every tests/slurm file.
+SHARED_WORKER_DIRS = {"slurm": REPO / "tests" / "slurm"}
+
+
+def _split_cores_among_workers() -> None:
+    """Under pytest-xdist, N workers share the cores: each gets cores / N intra-op threads (and so do the children
+    it starts without their own setting), since N x all-cores OpenMP pools spin against each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+_split_cores_among_workers()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`--dist loadgroup` (scripts/test.sh): one group per test module, so module fixtures (a batch of CLI runs
+    several tests read) run once, and one group for modules that share a session fixture that cannot be started
+    twice. Runs before xdist's own hook, which turns the marks into the groups."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        group = next((name for name, d in SHARED_WORKER_DIRS.items() if d in item.path.parents),
+                     item.path.relative_to(REPO).as_posix())
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def tiny_llama_config(**overrides):

@@ -3,7 +3,7 @@
 Loaded with tests/config: the recorder's folder goes into MCORE_RL_CONFIG_READS (so every CLI run, torchrun rank
 and launched server of this session records, in this process and in its children) and this process patches the
 config classes at once. The keys-read tests are moved to the end of the session so they see every other test's
-reads."""
+reads; under pytest-xdist they run in a session of their own afterwards (scripts/test.sh)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     last = [i for i in items if i.path.name == KEYS_READ_MODULE]
     items[:] = [i for i in items if i.path.name != KEYS_READ_MODULE] + last
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0) > 1:
+        # "last" holds per worker only: another worker may still be reading keys. scripts/test.sh runs this module
+        # in a second session over the same MCORE_RL_CONFIG_READS folder once the parallel one has ended.
+        skip = pytest.mark.skip(reason="keys-read needs every other test done: run it after the parallel session "
+                                       "with the same MCORE_RL_CONFIG_READS (scripts/test.sh does)")
+        for item in last:
+            item.add_marker(skip)
