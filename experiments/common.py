@@ -77,6 +77,7 @@ class Arm:
     steps: int
     save_every: int = 4  # checkpoint cadence: how much an interruption can cost (each save is ~1 s at 135M)
     extra: dict = field(default_factory=dict)
+    max_seeds: int | None = None  # a measurement run (e.g. an audit), not a comparison: the first N seeds only
 
     def command(self, run_dir: Path, seed: int, steps: int | None = None) -> list[str]:
         return ["mcore-rl-train", f"hydra.run.dir={run_dir}", *BASE_OVERRIDES, f"seed={seed}",
@@ -319,6 +320,9 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
         by_name = {a.name: a for a in chosen}
         states = {(a.name, s): probe(run_dir_for(exp, a, s)) for a in chosen for s in seeds}
         for job in plan([(a.name, a.steps) for a in chosen], seeds, states):
+            cap = by_name[job.arm].max_seeds
+            if cap is not None and job.seed not in seeds[:cap]:
+                continue
             if args.dry_run:
                 print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason})")
                 continue

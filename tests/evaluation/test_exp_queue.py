@@ -49,6 +49,41 @@ def test_plan_orders_seeds_outer_and_keeps_each_runs_state():
     ]
 
 
+def test_an_arm_capped_at_one_seed_runs_once_per_queue(tmp_path, monkeypatch, capsys):
+    """A measurement arm (max_seeds=1: the PPO-EWMA audits) joins the queue for the first seed only; the compared
+    arms still get every seed."""
+    import common
+
+    monkeypatch.setattr(common, "EXP_ROOT", tmp_path / "runs")
+    arms = [common.Arm("cmp", "C", [], steps=4), common.Arm("audit", "A", [], steps=2, max_seeds=1)]
+    monkeypatch.setattr(sys, "argv", ["run.py", "--seeds", "3", "--dry-run"])
+    common.arms_main("doc", tmp_path, "exp", arms, (), report=lambda _: None)
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["seed 1234 cmp", "seed 1234 audit", "seed 1235 cmp", "seed 1236 cmp"]
+
+
+def test_ppo_ewma_audit_table_reads_the_audited_runs(tmp_path):
+    """The missing-old-logit error table: the updates with stale tokens of each audited anchor, n/a-free."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("exp_ppo_ewma_async", EXP / "ppo_ewma_async" / "run.py")
+    exp2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exp2)
+    recompute, rollout = exp2.AUDITS
+    d = tmp_path / "data" / recompute.name
+    d.mkdir(parents=True)
+    rows = [{"step": 1, "staleness_max": 0.0, "old_logp_error": 0.0, "old_logp_error_max": 0.0,
+             "old_logp_stale_token_frac": 0.0},
+            {"step": 2, "staleness_max": 1.0, "old_logp_error": 0.02, "old_logp_error_max": 0.5,
+             "old_logp_stale_token_frac": 0.4},
+            {"step": 3, "staleness_max": 2.0, "old_logp_error": 0.04, "old_logp_error_max": 0.9,
+             "old_logp_stale_token_frac": 0.6}]
+    (d / "seed1234.train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = "\n".join(exp2.audit_table(tmp_path))
+    assert f"| {recompute.label} | 2 | 0.50 | 0.0300 | 0.900 |" in table
+    assert f"| {rollout.label} | 0 (not run) |" in table
+
+
 def _checkpoint(run_dir: Path, update: int) -> None:
     from mcore_rl.checkpoint_io import COMPLETE, FILES_KEY
 
