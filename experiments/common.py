@@ -294,9 +294,10 @@ def gpu_arm(arm: Arm, model_dir: str) -> Arm:
 
 
 def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tuple[str, ...],
-              report) -> None:
+              report, headline: tuple[str, ...] = ()) -> None:
     """The CLI every arms experiment shares: every (seed, arm) run in queue order (plan.plan: seeds outer), each
-    skipped, resumed or started from what its run directory holds, then the report from data/."""
+    skipped, resumed or started from what its run directory holds, then the report from data/. `headline`: the
+    arms the claim itself compares (`--headline` runs only those: a verdict before the ablations)."""
     import argparse
 
     from plan import plan
@@ -304,6 +305,7 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report-only", action="store_true", help="rebuild results.md/PNG from data/ only")
     ap.add_argument("--arms", nargs="*", default=None, help="run only these arms (names)")
+    ap.add_argument("--headline", action="store_true", help=f"run only the headline arms {list(headline)}")
     ap.add_argument("--seeds", type=int, default=3, help="training seeds per arm (1234, 1235, ...; default 3)")
     ap.add_argument("--dry-run", action="store_true", help="print what each (seed, arm) would do and stop")
     ap.add_argument("--gpu", metavar="MODEL_DIR", default=None,
@@ -312,7 +314,8 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
     unknown = sorted(set(args.arms or ()) - {a.name for a in arms})
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; known: {[a.name for a in arms]}")
-    chosen = [a for a in arms if args.arms is None or a.name in args.arms]
+    chosen = [a for a in arms if (args.arms is None or a.name in args.arms)
+              and (not args.headline or a.name in headline)]
     if args.gpu:
         chosen, exp, exp_dir = [gpu_arm(a, args.gpu) for a in chosen], f"{exp}_gpu", exp_dir / "gpu"
     if not args.report_only:

@@ -13,7 +13,13 @@ export PYTHONPATH="${CODE:-$PWD}"
 # MCORE_RL_EXP_DROP_CHECKPOINTS=0 keeps them (needed only to extend a finished arm to more updates)
 export MCORE_RL_EXP_DROP_CHECKPOINTS="${MCORE_RL_EXP_DROP_CHECKPOINTS:-1}"
 args=(--seeds "${SEEDS:-3}" ${GPU_MODEL:+--gpu "$GPU_MODEL"} "$@")
-for exp in mu_grpo_vs_grpo ppo_ewma_async p3o_vs_grpo scaling_prediction; do
-    python "experiments/$exp/run.py" "${args[@]}" || echo "$exp: exit $? (continuing with the next experiment)"
+# Two passes: every experiment's headline arms (what its claim compares: a verdict per paper comes first), then
+# the rest (ablations, k=4, mu=1/4); finished runs are skipped, so the second pass only adds.
+for pass in --headline --all; do
+    for exp in ppo_ewma_async mu_grpo_vs_grpo p3o_vs_grpo scaling_prediction; do
+        sel=(); [[ $pass == --headline ]] && sel=(--headline)
+        python "experiments/$exp/run.py" "${args[@]}" "${sel[@]}" ||
+            echo "$exp ($pass): exit $? (continuing with the next experiment)"
+    done
 done
 echo "queue done $(date -u)"

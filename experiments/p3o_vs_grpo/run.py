@@ -37,6 +37,7 @@ ARMS = [*_pair(8), *_pair(1), *_pair(4),  # the most off-policy pair first: a qu
                                              "eval.every=8"], STEPS, save_every=8),
         Arm("grpo_async2", "GRPO async k=2", [*GRPO, "algorithm.updates_per_rollout=1", *ASYNC, "eval.every=8"],
             STEPS, save_every=8)]
+HEADLINE = ("p3o_mu8", "grpo_mu8")  # the claim: P3O stays stable where the data is most off-policy
 TRAIN_KEYS = ("ess_factor", "capped_frac", "kl_behavioral", "approx_kl", "pg_clipfrac", "ppo_kl", "ratio_mean",
               "reward_mean", "grad_norm", "update_ok")
 
@@ -76,7 +77,7 @@ def report(exp_dir: Path = HERE) -> None:
 
 
 def main() -> None:
-    arms_main(__doc__, HERE, EXP, ARMS, TRAIN_KEYS, report)
+    arms_main(__doc__, HERE, EXP, ARMS, TRAIN_KEYS, report, HEADLINE)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,8 @@ AUDITS = [
     for name in ("recompute", "rollout")
 ]
 ARMS = COMPARED + AUDITS
+# seed 003's claim at k=2: the exact anchor against the two approximate ones and plain PPO-clip
+HEADLINE = ("snapshot_k2", "ewma_k2", "recompute_k2", "rollout_k2")
 TRAIN_KEYS = (
     "staleness_max",
     "old_logp_error",
@@ -184,7 +186,7 @@ def audit_table(exp_dir: Path) -> list[str]:
 
 
 def main() -> None:
-    arms_main(__doc__, HERE, EXP, ARMS, TRAIN_KEYS, report)
+    arms_main(__doc__, HERE, EXP, ARMS, TRAIN_KEYS, report, HEADLINE)
 
 
 if __name__ == "__main__":

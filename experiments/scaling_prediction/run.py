@@ -30,6 +30,7 @@ ARMS = [                                                                       #
     Arm("scalerl_token_mean", "ScaleRL, token-mean aggregation", [*SCALERL, "algorithm.loss_agg_mode=token-mean"],
         STEPS, save_every=8),
 ]
+HEADLINE = ("scalerl",)  # the claim: a first-half fit predicts the second half
 X = "flops"
 
 
@@ -80,7 +81,8 @@ def report(exp_dir: Path = HERE) -> None:
 
 
 def main() -> None:
-    arms_main(__doc__, HERE, EXP, ARMS, ("cispo_trunc_frac", "ratio_mean", "ppo_kl", "reward_mean"), report)
+    arms_main(__doc__, HERE, EXP, ARMS, ("cispo_trunc_frac", "ratio_mean", "ppo_kl", "reward_mean"), report,
+              HEADLINE)
 
 
 if __name__ == "__main__":

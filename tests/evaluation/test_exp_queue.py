@@ -60,6 +60,16 @@ def test_an_arm_capped_at_one_seed_runs_once_per_queue(tmp_path, monkeypatch, ca
     common.arms_main("doc", tmp_path, "exp", arms, (), report=lambda _: None)
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["seed 1234 cmp", "seed 1234 audit", "seed 1235 cmp", "seed 1236 cmp"]
+    # --headline (queue.sh's first pass): only the arms the claim compares
+    monkeypatch.setattr(sys, "argv", ["run.py", "--seeds", "2", "--dry-run", "--headline"])
+    common.arms_main("doc", tmp_path, "exp", arms, (), report=lambda _: None, headline=("cmp",))
+    assert [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines()] == ["seed 1234 cmp", "seed 1235 cmp"]
+
+
+def test_every_experiment_names_existing_headline_arms():
+    for folder, mod in _experiment_modules():
+        names = {a.name for a in mod.ARMS}
+        assert mod.HEADLINE and set(mod.HEADLINE) <= names, (folder, mod.HEADLINE)
 
 
 def test_ppo_ewma_audit_table_reads_the_audited_runs(tmp_path):
@@ -237,19 +247,20 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
 
 
-def _experiment_arms():
+def _experiment_modules():
     import importlib.util
 
     out = []
     for folder in ("mu_grpo_vs_grpo", "p3o_vs_grpo", "scaling_prediction", "ppo_ewma_async"):
-        path = EXP / folder / "run.py"
-        if not path.exists():
-            continue
-        spec = importlib.util.spec_from_file_location(f"exp_{folder}", path)
+        spec = importlib.util.spec_from_file_location(f"exp_{folder}", EXP / folder / "run.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        out += [(folder, arm) for arm in mod.ARMS]
+        out.append((folder, mod))
     return out
+
+
+def _experiment_arms():
+    return [(folder, arm) for folder, mod in _experiment_modules() for arm in mod.ARMS]
 
 
 @pytest.mark.parametrize("gpu", [False, True])
