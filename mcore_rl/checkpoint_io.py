@@ -32,6 +32,7 @@ log = logging.getLogger("mcore_rl")
 
 COMPLETE = "complete.json"
 FILES_KEY = "_files"
+OPTIMIZER_SAVED = "optimizer_saved"  # false: saved before the first optimizer step (see optimizer_has_state)
 SMALL_FILE = 1 << 20  # files up to this size also get a CRC32 in the manifest (the big shards: size only)
 DISK_FULL_BYTES = 1 << 20  # less free space than this after a failed write: report the disk as full
 
@@ -139,6 +140,16 @@ def model_sharded_state_dict(model) -> dict:
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def optimizer_has_state(optimizer) -> bool:
+    """Whether the optimizer has taken a step on any rank (Adam creates its moments at the first one). Before
+    that there is nothing of it to save, and the sharded dict Megatron builds for *loading* names moments a
+    step-0 save never wrote: a checkpoint taken before the first update (a preemption during the first rollout)
+    saves no optimizer entries and loads none; the fresh optimizer it resumes with is the saved one."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    local = any(len(getattr(getattr(o, "optimizer", o), "state", {})) > 0 for o in inner)
+    return any_rank(local)  # the save is collective: every rank must build the same entries
+
+
 def optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool = False) -> dict:
     """The optimizer's dist-checkpoint entries in a format that saves (see OPTIMIZER_METADATA) and reshards."""
     from mcore_rl.compat import distopt
@@ -211,7 +222,8 @@ def save_dist_checkpoint(
     if any_rank(err is not None):
         _fail(final, tmp, err)
     sharded = {"model": model_sharded_state_dict(model)}
-    if optimizer is not None:
+    with_optimizer = optimizer is not None and optimizer_has_state(optimizer)
+    if with_optimizer:
         sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"])
     if extra_sharded:
         sharded.update(extra_sharded)
@@ -228,7 +240,7 @@ def save_dist_checkpoint(
         _fail(final, tmp, err)
     if global_rank() == 0:
         try:
-            record = {**(meta or {}), FILES_KEY: file_manifest(tmp)}
+            record = {**(meta or {}), OPTIMIZER_SAVED: with_optimizer, FILES_KEY: file_manifest(tmp)}
             fsio.write_file_atomic(tmp / COMPLETE, json.dumps(record, indent=2, default=str))
             crash_point("after_complete", step)
             fsio.commit_staging(tmp, final, on_swap=lambda: crash_point("between_swap", step))
@@ -248,6 +260,9 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
     p = Path(path)
     if not is_complete(p):
         raise FileNotFoundError(f"{p} is not a complete mcore-rl checkpoint (no {COMPLETE}); refusing to load it")
+    meta = json.loads((p / COMPLETE).read_text())
+    if not meta.get(OPTIMIZER_SAVED, True):  # saved before the first step: the fresh optimizer is that state
+        optimizer = None
     sharded = {"model": model_sharded_state_dict(model)}
     if optimizer is not None:
         sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"], is_loading=True)
@@ -265,7 +280,6 @@ def load_dist_checkpoint(path: str | Path, model, optimizer=None, extra_sharded:
         optimizer.load_state_dict(state["optimizer"])
     state.pop("model", None)
     state.pop("optimizer", None)
-    meta = json.loads((p / COMPLETE).read_text())
     meta.pop(FILES_KEY, None)
     meta["_extra"] = state
     _barrier()
