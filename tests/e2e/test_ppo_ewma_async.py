@@ -6,6 +6,7 @@ And a configuration that would keep something the loss never reads is refused be
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,8 @@ def test_async_k2_keeps_learning(batch, source):
     assert all(r["ti_keep_rate"] >= 0.5 for r in stale)
     assert_trains(list(recs.values()))                                           # rewards vary, every update learns
     assert_async_lag(list(recs.values()))
+    gen = json.loads((run_dir / "summary.jsonl").read_text().splitlines()[-1])["phases"]["generate"]
+    assert gen["overlapped"] and gen["tokens_per_s"] is None  # the trainer's wait is not the engine's rate
     if source == "snapshot":  # exact: fp32 engine and trainer agree to rounding, d = pi_old / pi_infer = 1
         assert all(r["ti_keep_rate"] == 1.0 and abs(r["ti_ratio_mean"] - 1) < 1e-5 for r in recs.values())
         assert all(r["old_logp_error_max"] < 1e-5 for r in stale)  # pi_old to fp32 rounding (audit layout)

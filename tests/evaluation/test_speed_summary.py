@@ -72,6 +72,22 @@ def test_phase_speeds_from_hand_written_records(tmp_path):
     assert "train: 10.0 s, 80.0 tok/s, 6.0 GFLOP/s, 30.0% of roofline" in text
 
 
+def test_async_generation_reports_the_wait_not_a_rate(tmp_path):
+    """Under async the trainer waits only for what training did not hide: tokens over that wait gave 392% of the
+    roofline on a k=2 run. The summary reports the wait and derives no rate from it."""
+    _write(tmp_path / "metrics.jsonl", [
+        {"step": 1, "time_generate": 2.0, "rollout_tokens": 1000, "time_train": 4.0, "inflight_rounds": 0.0},
+        {"step": 2, "time_generate": 0.1, "rollout_tokens": 1000, "time_train": 4.0, "inflight_rounds": 2.0},
+    ])
+    _write(tmp_path / "eval.jsonl", [{"step": 2, "flops_generate": 5e12, "flops_train": 60e9, "tokens_trained": 800.0}])
+    gen = {s.phase: s for s in phase_speeds(tmp_path, roof_gflops=20.0)}["generate"]
+    assert gen.overlapped and gen.seconds == pytest.approx(2.1)
+    assert gen.tokens_per_s is None and gen.gflops is None and gen.roofline_frac is None
+    _, text = speed_summary(tmp_path, "bf16", 20.0)
+    assert "generate: 2.1 s waited (generation overlapped training: no rate from the wait)" in text
+    assert "of roofline" in text.split("generate:")[1].split("\n", 1)[1]  # train still has its fraction
+
+
 def test_real_run_prints_and_records_the_speed_summary(tiny_run_proc):
     run_dir, proc = tiny_run_proc
     train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
