@@ -100,6 +100,11 @@ def test_update_restarts_samples_in_flight_through_the_router(engine, routed):
     reqs = [GenerationRequest([3 + i, 4, 5], sp, rid=f"p{i}") for i in range(4)]
     futures = engine.submit([GenerationRequest(r.prompt_ids, SamplingParams(**{**vars(sp), "n": 2}), rid=r.rid)
                              for r in reqs])  # fmt: skip
+    # the update must land while samples are at the servers: on a loaded machine (load 12 measured) the client had
+    # not yet sent one /generate 0.3 s after submit, nothing was aborted and the test saw 0 regenerated
+    deadline = time.monotonic() + 60
+    while sum(e == "/generate" for e, _ in RECORDED) < len(reqs) and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(0.3)
     in_flight = sum(not f.done() for f in futures)
     engine.update_weights_from_disk(str(trainer_tiny_dir(seed=1)), 1)
