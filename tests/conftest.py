@@ -19,10 +19,15 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_WORKER_DIRS = {"slurm": REPO / "tests" / "slurm"}
 
 
+def xdist_workers() -> int:
+    """How many pytest-xdist workers this session runs (0: not under xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+
+
 def _split_cores_among_workers() -> None:
     """Under pytest-xdist, N workers share the cores: each gets cores / N intra-op threads (and so do the children
     it starts without their own setting), since N x all-cores OpenMP pools spin against each other."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    workers = xdist_workers()
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(threads)

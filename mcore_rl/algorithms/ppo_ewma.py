@@ -19,8 +19,8 @@ with the anchor pi_a picked by `old_logp_source` (two routes):
   always does is set s = 1: it revives an anchor so far behind theta that the clip starves the gradient. So it
   fires on clip fraction >= reset_clip_frac, or on keep-rate < reset_keep_rate when theta would keep more.
 
-`recompute` is refused: its log-probs (trainer forward at the current weights, the wrong version for stale
-tokens) would enter neither route -- the exact route needs pi_old, the ewma route reads pi_prox and pi_infer.
+`recompute` (like any inexact source but the engine's own log-probs) is refused: its log-probs (trainer forward at
+the current weights, the wrong version for stale tokens) would enter neither route -- the exact route needs pi_old, the ewma route reads pi_prox and pi_infer.
 
 objective=original is Hilton et al.'s PPO-EWMA: -(pi_a / pi_behav) * min(s A, clip(s) A), with the behaviour
 log-prob floored at logp_theta - log(imp_samp_max) so the weight is at most imp_samp_max.
@@ -91,10 +91,10 @@ class PpoEwmaConfig(AlgorithmConfig):
         owner = f"algorithm {self.name!r}"
         check_choice(owner, "objective", self.objective, OBJECTIVES)
         check_choice(owner, "ti_level", self.ti_level, LEVELS)
-        if self.old_logp_source == "recompute":
-            raise ValueError(f"{owner}: old_logp_source=recompute computes log-probs its loss never reads (the "
-                             "EWMA route anchors on pi_prox and the engine's log-probs); use rollout (EWMA anchor) "
-                             "or snapshot|old_logit_model|interrupt (exact pi_old)")
+        if not is_exact(self.old_logp_source) and self.old_logp_source != "rollout":  # recompute, or any inexact one
+            raise ValueError(f"{owner}: old_logp_source={self.old_logp_source} computes log-probs its loss never "
+                             "reads (the EWMA route anchors on pi_prox and the engine's log-probs); use rollout "
+                             "(EWMA anchor) or snapshot|old_logit_model|interrupt (exact pi_old)")
         if is_exact(self.old_logp_source):
             given = [k for k in EWMA_DEFAULTS if getattr(self, k) is not None]
             if given:

@@ -87,7 +87,8 @@ def speed_summary(run_dir: str | Path, dtype: str | None, roof_gflops: float | N
     roof = f"{roof_gflops:,.0f} GFLOP/s" if roof_gflops else "not measured"
     lines = [f"  speed ({dtype or '?'} torch.mm roofline {roof}):"]
     for p in phases:
-        bits = [f"{p.seconds:,.1f} s"]
+        waited = " waited (generation overlapped training: no rate from the wait)" if p.overlapped else ""
+        bits = [f"{p.seconds:,.1f} s{waited}"]
         if p.tokens_per_s is not None:
             bits.append(f"{p.tokens_per_s:,.1f} tok/s")
         if p.gflops is not None:
@@ -96,8 +97,6 @@ def speed_summary(run_dir: str | Path, dtype: str | None, roof_gflops: float | N
             bits.append(f"{p.roofline_frac:.1%} of roofline")
         if p.gb_per_s is not None:
             bits.append(f"{p.gb_per_s:,.2f} GB/s")
-        if p.overlapped:
-            bits = [f"{p.seconds:,.1f} s waited (generation overlapped training: no rate from the wait)"]
         lines.append(f"    {p.phase:>8}: " + ", ".join(bits))
     record = {
         "dtype": dtype,

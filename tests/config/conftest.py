@@ -13,6 +13,7 @@ import tempfile
 import pytest
 
 from mcore_rl import config_reads as reads
+from tests.conftest import xdist_workers
 
 KEYS_READ_MODULE = "test_keys_read.py"
 
@@ -26,7 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     last = [i for i in items if i.path.name == KEYS_READ_MODULE]
     items[:] = [i for i in items if i.path.name != KEYS_READ_MODULE] + last
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0) > 1:
+    if xdist_workers() > 1:
         # "last" holds per worker only: another worker may still be reading keys. scripts/test.sh runs this module
         # in a second session over the same MCORE_RL_CONFIG_READS folder once the parallel one has ended.
         skip = pytest.mark.skip(reason="keys-read needs every other test done: run it after the parallel session "
