@@ -21,7 +21,9 @@ PY=${PYTHON:-python3}
 torch.cuda.get_device_name(0))"
 } 2>&1 | tee "$OUT/machine.txt"
 
-timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -q -m gpu -rA tests/gpu tests/rollout/test_tensor_payload.py 2>&1 \
+# the suite's tests are separate CUDA processes, so they share the GPU in parallel (SUITE_WORKERS=1: one by one)
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${SUITE_WORKERS:-4} --dist load")
+timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -q -m gpu -rA $XDIST tests/gpu tests/rollout/test_tensor_payload.py 2>&1 \
   | tee "$OUT/gpu_suite.log"
 
 # shorter: POLICY_FLAGS="--dtypes bf16 --heads chunked" ENGINE_FLAGS="--dtypes bfloat16 --workloads fixed"

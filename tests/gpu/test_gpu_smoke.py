@@ -33,7 +33,9 @@ FAST = ["model=tiny", "trainer.prompts_per_update=4", "trainer.samples_per_promp
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    # the repo first, then whatever the caller's PYTHONPATH holds (a GPU image's extra site folder)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
 
 
 def worker(*args: str) -> dict:
