@@ -2,7 +2,7 @@
 with the chunked LM head (`policy/chunked_head.py`) and without it, side by side.
 
     python benchmarks/policy_step.py [--model smollm2|tiny|llama-0.5b] [--batch 8] [--seq 64] [--iters 5]
-        [--dtypes fp32,bf16] [--heads chunked,unchunked] [--device cpu|cuda] [--no-hf]
+        [--dtypes fp32,bf16] [--heads chunked,unchunked] [--device cpu|cuda] [--no-hf] [--profile N]
 
 Each (dtype, head) runs in its own process, so peak memory is that step's alone: on CPU the kernel's RSS
 high-water mark (VmHWM, reset through /proc/self/clear_refs right before one step, after `malloc_trim` returned
@@ -108,9 +108,14 @@ def measure(a, name: str, head: str) -> dict:
     from mcore_rl.policy.step import PolicyBatch
 
     n_tok = a.batch * a.seq
-    # "bf16-eager": bf16 with the compiled element-wise ops off (compat/fused_ops.py), for the side-by-side gain
-    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[name.removesuffix("-eager")]
-    build = BuildConfig(dtype=name.removesuffix("-eager"), compile=not name.endswith("-eager"))
+    from mcore_rl.trainer.setup import resolve_compile
+
+    # "bf16": the element-wise ops as the trainer builds them (model.compile=auto: compiled on CPU, eager on CUDA);
+    # "bf16-eager" / "bf16-compiled": forced either way (compat/fused_ops.py), for the side-by-side gain
+    base, _, mode = name.partition("-")
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[base]
+    setting = {"": "auto", "eager": "false", "compiled": "true"}[mode]
+    build = BuildConfig(dtype=base, compile=resolve_compile(setting, cuda=a.device == "cuda"))
     policy = Policy(a.folder, PolicyConfig(build=build, token_budget=n_tok))
     policy.load_hf(a.folder)
     args = policy.args
@@ -145,7 +150,22 @@ def measure(a, name: str, head: str) -> dict:
                best_frac=flops / fastest[0] / 1e9 / roof, opt=t_o, step_flops=flops, peak_mb=peak, step_mb=step_mb)
     if not a.no_hf and head == "chunked" and not a.ragged:
         row.update(hf_step(torch, a, tdt, tokens, n_tok, flops, sync))
+    if a.profile:
+        print_profile(torch, megatron_step, a.device, a.profile, f"{name}:{head}")
     return row
+
+
+def print_profile(torch, step, device: str, top: int, label: str) -> None:
+    """The ops of one step by self time on the device that runs them (CUDA kernels on a GPU), so the share of
+    the step that is not GEMM work is visible. Lines go out prefixed `PROF|` for the parent to print."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        step()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70)
+    print("\n".join(f"PROF|{label}| {line}" for line in table.splitlines()), flush=True)
 
 
 def hf_step(torch, a, tdt, tokens, n_tok: int, flops: float, sync) -> dict:
@@ -219,12 +239,15 @@ def child(a) -> None:
 def child_cmd(a, name: str, head: str) -> list[str]:
     return [sys.executable, __file__, "--child", f"{name}:{head}", "--folder", a.folder, "--batch", str(a.batch),
            "--seq", str(a.seq), "--iters", str(a.iters), "--device", a.device] + (["--no-hf"] if a.no_hf else []) + (
-           ["--ragged"] if a.ragged else []) + ["--heads", a.heads]
+           ["--ragged"] if a.ragged else []) + ["--heads", a.heads, "--profile", str(a.profile)]
 
 
 def run_child(a, name: str, head: str) -> dict:
     proc = subprocess.run(child_cmd(a, name, head), capture_output=True, text=True)
     rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    for line in proc.stdout.splitlines():
+        if line.startswith("PROF|"):
+            print(line[5:])
     if proc.returncode != 0 or not rows:
         raise SystemExit(f"{name}:{head} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return json.loads(rows[0])
@@ -259,13 +282,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16, bf16-eager")
+    ap.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16, bf16-eager, bf16-compiled")
     ap.add_argument("--heads", default="chunked,unchunked",
                     help="comma list of chunked, unchunked (both padded rows), packed (chunked, rows packed)")
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths (padding), as RL batches")
     ap.add_argument("--interleave", action="store_true", help="speed ratio of --heads, alternated in one process")
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda where available")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers side (large models)")
+    ap.add_argument("--profile", type=int, default=0, help="print the N ops with the most self time of one step")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     return ap.parse_args()

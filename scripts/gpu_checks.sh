@@ -2,8 +2,9 @@
 # The checks only a CUDA machine can make, in one go (about 6 minutes on one H100/H200):
 #   1. the `gpu` test suite (NCCL world of one, bf16 parity + train step, engine on cuda, CLI train + resume,
 #      CUDA IPC tensor payloads; TE FP8 where transformer_engine imports),
-#   2. benchmarks/policy_step.py: Megatron fwd+bwd MFU for a ~0.5B Llama shape in bf16 (the roofline is the best
-#      torch.mm rate on this GPU, measured in the same run),
+#   2. benchmarks/policy_step.py: Megatron fwd+bwd MFU for a ~0.5B Llama shape in bf16 as the trainer builds it
+#      (eager element-wise ops on CUDA), with compiled ones and in fp32 beside it (the roofline is the best torch.mm
+#      rate on this GPU, measured in the same run),
 #   3. benchmarks/rollout_engine.py: the embedded engine's decode tokens/s against transformers.generate on a
 #      SmolLM2-135M-shaped model (random weights: the speed does not depend on them), 16 prompts x 4 samples,
 #      against the decode roofline (matmul rate, bandwidth) measured in the same run.
@@ -28,7 +29,7 @@ timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -q -m gpu -rA $XDIST tests/gpu tes
 
 # shorter: POLICY_FLAGS="--dtypes bf16 --heads chunked" ENGINE_FLAGS="--dtypes bfloat16 --workloads fixed"
 timeout "${BENCH_TIMEOUT:-150}" $PY benchmarks/policy_step.py --model llama-0.5b --batch 8 --seq 1024 --iters 5 \
-  --no-hf ${POLICY_FLAGS:---dtypes bf16,fp32 --heads chunked,unchunked} 2>&1 | tee "$OUT/policy_step.log"
+  --no-hf ${POLICY_FLAGS:---dtypes bf16,bf16-compiled,fp32 --heads chunked} 2>&1 | tee "$OUT/policy_step.log"
 
 # a SmolLM2-135M-shaped random model with the SmolLM2 tokenizer (taken from the tiny model's folder)
 ENGINE_DIR=$($PY - <<'EOF'

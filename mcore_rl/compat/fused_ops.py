@@ -12,7 +12,9 @@ are dynamic from the first call (a static first compile recompiled for each new 
 until dynamo's limit of 8, then ran eager): one graph per grad mode and batch-1 case, whatever the lengths.
 
 fp32 models keep Megatron's eager modules untouched (the exactness tests compare them to transformers at
-~1e-5). `model.compile=false` (BuildConfig.compile; `set_compile`) turns the fused path off for the process:
+~1e-5). On CUDA `model.compile=auto` leaves them eager too: there the GPU runs eager element-wise kernels fast and
+the compiled calls' host-side cost made a bf16 step slower (trainer/setup.resolve_compile).
+`model.compile=false` (BuildConfig.compile; `set_compile`) turns the fused path off for the process:
 the model's norms/MLPs, RoPE and the log-softmax all run eager (debugging, or bitwise Megatron in bf16). A machine
 without a C++ compiler needs no switch: it falls back to eager by itself, with one warning.
 """
@@ -119,7 +121,7 @@ def fuse_model(model: torch.nn.Module) -> dict[str, int]:
 
     counts = {"rms_norm": 0, "swiglu": 0}
     if not compile_enabled():
-        log.warning("fused_ops: model.compile=false, eager element-wise ops (no modules swapped)")
+        log.warning("fused_ops: eager element-wise ops (model.compile=false, or auto on CUDA; no modules swapped)")
         return counts
     for m in model.modules():
         if type(m) is torch.nn.RMSNorm and m.elementwise_affine:

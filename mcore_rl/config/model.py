@@ -91,7 +91,9 @@ class ModelConfig:
     transformer_impl: str = "auto"  # auto (TE when installed + CUDA) | local | transformer_engine
     recompute_activations: bool = False
     lm_head_fp32: bool = False      # bf16: LM head in fp32 (ScaleRL; smaller train/rollout mismatch)
-    compile: bool = True            # bf16/fp16: torch.compile'd element-wise ops in the trainer; false = eager
+    # bf16/fp16 element-wise ops in the trainer: auto (compiled on CPU, eager on CUDA: measured faster each) | true
+    # (torch.compile'd) | false (eager)
+    compile: str = "auto"
     load_check: LoadCheckConfig = field(default_factory=LoadCheckConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -102,6 +104,8 @@ class ModelConfig:
         one_of("model.source", self.source, MODEL_SOURCES)
         one_of("model.dtype", self.dtype, DTYPES)
         one_of("model.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        self.compile = str(self.compile).lower()  # a bare `model.compile=false` arrives as the string "False"
+        one_of("model.compile", self.compile, ("auto", "true", "false"))
         if self.source == "hf" and not self.hf_path:
             raise ConfigError("model.source=hf needs model.hf_path=/path/to/hf/folder")
         if self.lora.enabled and self.mcore_ckpt:

@@ -35,7 +35,8 @@ class BuildConfig:
     # bf16/fp16: run the LM head (the vocab-sized matmul) in fp32, as ScaleRL does: bf16 logits of magnitude ~20
     # are rounded by ~0.05, the largest single source of bf16-vs-fp32 log-prob error; costs fp32 speed on it
     lm_head_fp32: bool = False
-    # bf16/fp16: torch.compile the element-wise ops (compat/fused_ops.py); False = eager PyTorch (model.compile)
+    # bf16/fp16: torch.compile the element-wise ops (compat/fused_ops.py); False = eager PyTorch (model.compile,
+    # resolved per device by trainer/setup.resolve_compile)
     compile: bool = True
 
 

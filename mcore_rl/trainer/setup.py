@@ -27,7 +27,20 @@ def build_config(cfg: MainConfig, dtype: str | None = None) -> BuildConfig:
                        sequence_parallel=par.sequence_parallel, fp8=m.fp8,
                        recompute_activations=m.recompute_activations, ep=par.ep,
                        moe_aux_loss_coeff=float(m.moe.aux_loss_coeff) if m.moe is not None else 0.0,
-                       lm_head_fp32=m.lm_head_fp32, compile=m.compile)
+                       lm_head_fp32=m.lm_head_fp32, compile=resolve_compile(m.compile))
+
+
+def resolve_compile(setting: str, cuda: bool | None = None) -> bool:
+    """model.compile=auto: the compiled element-wise ops on CPU, eager on CUDA. On CPU they fuse passes that eager
+    PyTorch runs one at a time (docs/performance.md); on an H100 the same bf16 step ran 0.68-0.92x the eager
+    speed (dynamo's per-call guards on the host, while the GPU waited; docs/gpu_checks.md)."""
+    if setting != "auto":
+        return setting == "true"
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()  # build_gpt_model puts the model on CUDA whenever there is one
+    return not cuda
 
 
 def policy_config(cfg: MainConfig, dtype: str | None = None) -> PolicyConfig:

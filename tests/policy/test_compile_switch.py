@@ -1,7 +1,8 @@
 """`model.compile`: the typed switch between the compiled element-wise ops and eager PyTorch, through the CLI.
 
 The trainer CLI in bf16 with model.compile=false must take the eager path everywhere (no module swapped, the
-process-wide switch off for RoPE and the log-softmax) and still train; the default (true) swaps every norm and MLP.
+process-wide switch off for RoPE and the log-softmax) and still train; the default (auto: compiled on CPU, eager on
+CUDA) swaps every norm and MLP on a CPU.
 """
 
 from __future__ import annotations
@@ -24,8 +25,30 @@ def test_model_compile_reaches_the_build_config():
     from mcore_rl.config import load_config
     from mcore_rl.trainer.setup import build_config
 
-    assert build_config(load_config(compose(["model=tiny"]))).compile is True  # the default
+    assert build_config(load_config(compose(["model=tiny"]))).compile is True  # the default (auto) on a CPU
     assert build_config(load_config(compose(["model=tiny", "model.compile=false"]))).compile is False
+    assert build_config(load_config(compose(["model=tiny", "model.compile=true"]))).compile is True
+
+
+def test_auto_compiles_on_cpu_and_runs_eager_on_cuda(monkeypatch):
+    """auto: compiled on CPU, eager on CUDA (an H100 ran the bf16 step faster eager); true/false win anywhere."""
+    import torch
+
+    from mcore_rl.config import load_config
+    from mcore_rl.trainer.setup import build_config, resolve_compile
+
+    assert (resolve_compile("auto", cuda=False), resolve_compile("auto", cuda=True)) == (True, False)
+    assert (resolve_compile("true", cuda=True), resolve_compile("false", cuda=False)) == (True, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert build_config(load_config(compose(["model=tiny"]))).compile is False
+    assert build_config(load_config(compose(["model=tiny", "model.compile=true"]))).compile is True
+
+
+def test_a_bad_compile_value_is_one_config_error():
+    from mcore_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"model.compile.*'maybe'.*auto"):
+        load_config(compose(["model=tiny", "model.compile=maybe"]))
 
 
 def test_set_compile_switches_the_compiled_functions(monkeypatch):
@@ -53,9 +76,9 @@ def test_cli_bf16_with_compile_false_runs_eager(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stderr
-    assert "fused_ops: model.compile=false, eager element-wise ops (no modules swapped)" in log
+    assert "fused_ops: eager element-wise ops (model.compile=false, or auto on CUDA; no modules swapped)" in log
     assert "fused_ops: compiled element-wise ops" not in log
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2] and all(r["update_ok"] == 1.0 for r in recs)
     assert 0 < recs[-1]["train_rollout_logprob_abs_diff"] < 0.5
-    assert "compile: false" in (run_dir / "config.yaml").read_text()
+    assert "compile: 'false'" in (run_dir / "config.yaml").read_text()
