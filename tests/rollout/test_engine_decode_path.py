@@ -149,3 +149,17 @@ def test_one_matmul_probe_serves_auto_and_the_roofline(monkeypatch):
     square = roofline.matmul_gflops(torch.device("cpu"), torch.float32, size=16, repeats=3)
     assert square.wall == pytest.approx(2 * 16**3 / 1e9 / 0.25)
     assert square.cpu == pytest.approx(2 * 16**3 / 1e9 / 0.5)
+
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_cpu_lm_head_regroups_in_fp32_only(rows):
+    """fp32: the grouped forms (torch.mm); bf16, where the plain product measured as fast or faster: F.linear."""
+    from tests.rollout.test_engine_fused_forward import _Calls
+
+    gen = torch.Generator().manual_seed(rows)
+    weight, hidden = torch.randn(3000, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    for dtype, form in ((torch.float32, "mm"), (torch.bfloat16, "linear")):
+        with _Calls() as calls:
+            head_logits(hidden.to(dtype), weight.to(dtype))
+        assert form in calls.names and ({"mm", "linear"} - {form}).isdisjoint(calls.names), (dtype, calls.names)

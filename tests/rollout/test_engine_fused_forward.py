@@ -128,3 +128,27 @@ def test_skinny_linear_equals_the_plain_product(rows, bias):
     got = linear(x, weight, b)
     assert got.shape == (rows, 300) and got.is_contiguous()
     assert (got - torch.nn.functional.linear(x, weight, b)).abs().max().item() < 1e-4
+
+
+
+class _Calls(torch.overrides.TorchFunctionMode):
+    """Records the torch functions called inside it (which GEMM form a dispatch picked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", [1, 2, SKINNY_ROWS])
+def test_skinny_rows_regroup_in_fp32_only(rows):
+    """fp32: weight @ x^T (torch.mm); bf16, whose GEMM is faster on skinny rows as x @ W^T itself: F.linear."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(300, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+    for dtype, form in ((torch.float32, "mm"), (torch.bfloat16, "linear")):
+        with _Calls() as calls:
+            linear(x.to(dtype), weight.to(dtype), None)
+        assert form in calls.names and ({"mm", "linear"} - {form}).isdisjoint(calls.names), (dtype, calls.names)
