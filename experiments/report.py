@@ -106,3 +106,28 @@ def plot_curves(exp_dir: Path, arms: list[Arm], out: Path, ylabel: str = "held-o
         for ax in axes:
             ax.set_title("mean over seeds; band: 95% interval (seeds x held-out prompts)", fontsize=8)
         axes[0].legend(fontsize=7)
+
+
+def metric_curve(per_seed: dict[int, list[dict]], key: str) -> list[tuple[float, Interval]]:
+    """A training metric per update: the mean over seeds and a 95% bootstrap interval over seeds, at the updates
+    every seed logged it."""
+    by_step = [{r["step"]: r[key] for r in recs if key in r} for recs in per_seed.values()]
+    by_step = [d for d in by_step if d]
+    if not by_step:
+        return []
+    common = sorted(set.intersection(*(set(d) for d in by_step)))
+    return [(float(step), bootstrap_interval([d[step] for d in by_step])) for step in common]
+
+
+def plot_train_metrics(exp_dir: Path, panels: list[tuple[list[Arm], str, str]], out: Path) -> None:
+    """Two panels of training metrics against updates, one (arms, metric key, y label) each, with bands over seeds:
+    what the accuracy curves cannot show (how far off-policy an update was, how much of it was clipped)."""
+    with figure_panels(out) as axes:
+        for ax, (arms, key, ylabel) in zip(axes, panels):
+            for arm in arms:
+                plot_bands(ax, metric_curve(train_records(exp_dir, arm), key), arm.label)
+            ax.set_xlabel("optimizer updates")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.set_title("mean over seeds; band: 95% interval over seeds", fontsize=8)
+            ax.legend(fontsize=7)

@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from common import Arm, arms_main, git_rev, train_records, write_results  # noqa: E402
-from report import arm_table, difference_rows, machine_lines, plot_curves  # noqa: E402
+from report import arm_table, difference_rows, machine_lines, plot_curves, plot_train_metrics  # noqa: E402
 
 EXP = "p3o_vs_grpo"
 STEPS = 16
@@ -72,7 +72,11 @@ def report(exp_dir: Path = HERE) -> None:
         lines.append(f"| {arm.label} | {_stat(exp_dir, arm, 'ess_factor')} | {_stat(exp_dir, arm, 'capped_frac')} | "
                      f"{_stat(exp_dir, arm, 'pg_clipfrac')} | {_stat(exp_dir, arm, kl)} | "
                      f"{_stat(exp_dir, arm, 'grad_norm')} |")
-    lines += ["", "![accuracy](accuracy.png)", ""]
+    p3o, grpo = [a for a in ARMS if a.name.startswith("p3o")], [a for a in ARMS if a.name.startswith("grpo")]
+    plot_train_metrics(exp_dir, [(p3o, "ess_factor", "P3O ESS factor (1 = on-policy)"),
+                                 (grpo, "pg_clipfrac", "GRPO clipped token fraction")], exp_dir / "stability.png")
+    lines += ["", "![accuracy](accuracy.png)", "", "ESS over training (P3O) and the clipped fraction (GRPO), per update:",
+              "", "![stability](stability.png)", ""]
     write_results(exp_dir, lines)
 
 

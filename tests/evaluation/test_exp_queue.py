@@ -247,6 +247,28 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
 
 
+
+def test_p3o_report_plots_ess_and_clip_fraction_over_training(tmp_path):
+    """P3O's stability figure: ESS factor (P3O arms) and clipped fraction (GRPO arms) per update, mean over seeds
+    with a band, from the runs' training records."""
+    sys.path.insert(0, str(EXP))
+    from report import metric_curve
+
+    mods = dict(_experiment_modules())
+    for arm, key, base in (("p3o_mu8", "ess_factor", 0.9), ("grpo_mu8", "pg_clipfrac", 0.05)):
+        d = tmp_path / "data" / arm
+        d.mkdir(parents=True)
+        for i, seed in enumerate((1234, 1235, 1236)):
+            recs = [{"step": step, key: base - 0.01 * step + 0.02 * i, "grad_norm": 1.0} for step in range(1, 17)]
+            (d / f"seed{seed}.train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    curve = metric_curve(mods["p3o_vs_grpo"].train_records(tmp_path, mods["p3o_vs_grpo"].ARMS[0]), "ess_factor")
+    assert [x for x, _ in curve] == [float(s) for s in range(1, 17)]
+    first = curve[0][1]  # seeds at 0.89, 0.91, 0.93: mean 0.91, the interval inside the seeds' range
+    assert abs(first.mean - 0.91) < 1e-9 and 0.89 <= first.lo <= first.mean <= first.hi <= 0.93
+    mods["p3o_vs_grpo"].report(tmp_path)
+    assert (tmp_path / "stability.png").stat().st_size > 10_000
+    assert "![stability](stability.png)" in (tmp_path / "results.md").read_text()
+
 def _experiment_modules():
     import importlib.util
 
