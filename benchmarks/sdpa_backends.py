@@ -13,20 +13,13 @@ side in one process: median ms per call, or the backend's refusal.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+
+from policy_step import bench  # benchmarks/policy_step.py (sys.path[0] is this folder)
 
 
 def timed(fn, iters: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    """Median ms per call of fn with the device synchronised, after a warm-up."""
+    return 1e3 * bench(lambda: (fn(), sync()), iters)
 
 
 def main() -> None:

@@ -20,7 +20,8 @@ with the anchor pi_a picked by `old_logp_source` (two routes):
   fires on clip fraction >= reset_clip_frac, or on keep-rate < reset_keep_rate when theta would keep more.
 
 `recompute` (like any inexact source but the engine's own log-probs) is refused: its log-probs (trainer forward at
-the current weights, the wrong version for stale tokens) would enter neither route -- the exact route needs pi_old, the ewma route reads pi_prox and pi_infer.
+the current weights, the wrong version for stale tokens) would enter neither route -- the exact route needs pi_old,
+the ewma route reads pi_prox and pi_infer.
 
 objective=original is Hilton et al.'s PPO-EWMA: -(pi_a / pi_behav) * min(s A, clip(s) A), with the behaviour
 log-prob floored at logp_theta - log(imp_samp_max) so the weight is at most imp_samp_max.

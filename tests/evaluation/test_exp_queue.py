@@ -247,7 +247,6 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
 
 
-
 def test_p3o_report_plots_ess_and_clip_fraction_over_training(tmp_path):
     """P3O's stability figure: ESS factor (P3O arms) and clipped fraction (GRPO arms) per update, mean over seeds
     with a band, from the runs' training records."""
@@ -268,6 +267,7 @@ def test_p3o_report_plots_ess_and_clip_fraction_over_training(tmp_path):
     mods["p3o_vs_grpo"].report(tmp_path)
     assert (tmp_path / "stability.png").stat().st_size > 10_000
     assert "![stability](stability.png)" in (tmp_path / "results.md").read_text()
+
 
 def _experiment_modules():
     import importlib.util

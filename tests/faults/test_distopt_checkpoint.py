@@ -68,7 +68,6 @@ def test_a_checkpoint_before_the_first_step_resumes(tiny_llama_dir, tmp_path, di
     from mcore_rl import checkpoint_io as ckpt
     from tests.multiproc.launch import fixed_batch, loss_fn
 
-    saved_key = getattr(ckpt, "OPTIMIZER_SAVED", "optimizer_saved")
     first = _policy(tiny_llama_dir, distributed)
     batch, mask = fixed_batch(first.args.vocab_size)
     ckpt.save_dist_checkpoint(tmp_path / "step_0", first.model, first.optimizer)
@@ -85,5 +84,5 @@ def test_a_checkpoint_before_the_first_step_resumes(tiny_llama_dir, tmp_path, di
     assert torch.equal(resumed.logprobs(batch) * mask, before)
     train_step(resumed, batch, loss_fn)
     assert torch.equal(resumed.logprobs(batch) * mask, straight)
-    marks = [json.loads((tmp_path / d / ckpt.COMPLETE).read_text()).get(saved_key) for d in ("step_0", "step_1")]
+    marks = [json.loads((tmp_path / d / ckpt.COMPLETE).read_text()).get(ckpt.OPTIMIZER_SAVED) for d in ("step_0", "step_1")]
     assert marks == [False, True]

@@ -151,7 +151,6 @@ def test_one_matmul_probe_serves_auto_and_the_roofline(monkeypatch):
     assert square.cpu == pytest.approx(2 * 16**3 / 1e9 / 0.5)
 
 
-
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_cpu_lm_head_regroups_in_fp32_only(rows):
     """fp32: the grouped forms (torch.mm); bf16, where the plain product measured as fast or faster: F.linear."""

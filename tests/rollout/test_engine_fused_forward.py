@@ -130,7 +130,6 @@ def test_skinny_linear_equals_the_plain_product(rows, bias):
     assert (got - torch.nn.functional.linear(x, weight, b)).abs().max().item() < 1e-4
 
 
-
 class _Calls(torch.overrides.TorchFunctionMode):
     """Records the torch functions called inside it (which GEMM form a dispatch picked)."""
 

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.rollout.local.kv_cache import KVCache
+from mcore_rl.rollout.local.lm_head import REGROUP_DTYPES
 
 SKINNY_ROWS = 4  # at or below: weight @ x^T (see linear)
-SKINNY_DTYPES = (torch.float32,)  # the dtypes whose skinny GEMMs are faster as weight @ x^T
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")  # fmt: skip
@@ -196,11 +196,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x @ weight^T (+ bias). On a CPU with <= SKINNY_ROWS rows as weight @ x^T, one row fed twice: MKL's GEMM
     for a 1-4 row `x @ W^T` is far below the memory bandwidth, `W @ x^T` with 2 rows streams W at it (SmolLM2's 30
     layers, fp32, 1 thread: 1 row 42 -> 25 ms, 2 rows 70 -> 25 ms, 4 rows 55 -> 45 ms; from 8 rows on the plain
-    product is as fast). Same dot products, regrouped: equal to float rounding. fp32 only: bf16's GEMM (oneDNN)
-    runs 1-4 rows of `x @ W^T` 1.5-1.7x faster than `W @ x^T` (0.38-0.44 vs 0.66 ms per SmolLM2 layer, 1 thread,
-    AMD EPYC with avx512_bf16, the two alternated 60 times)."""
+    product is as fast). Same dot products, regrouped: equal to float rounding. In the REGROUP_DTYPES only (fp32):
+    bf16's GEMM runs 1-4 rows of `x @ W^T` 1.5-1.7x faster than `W @ x^T` (lm_head.py has the numbers)."""
     rows = x.shape[0]
-    if x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype not in SKINNY_DTYPES:
+    if x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype not in REGROUP_DTYPES:
         return F.linear(x, weight, bias)
     xt = x.expand(2, -1).contiguous().t() if rows == 1 else x.t()
     out = torch.mm(weight, xt).t()[:rows].contiguous()

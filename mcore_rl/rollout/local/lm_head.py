@@ -5,8 +5,8 @@ Why not the model's own `lm_head(hidden)`: the head is the largest matrix of a s
 `x @ W^T` is far from the matmul rate. Measured on a 2-core AMD EPYC (1 thread, fp32, CPU time per call): with 8
 rows, `W @ x^T` (stream W once, GEMV-like) 14.9 ms vs 24.5 ms; with 64 rows, column blocks of 1024 vocab entries
 written into one output 54.6 ms vs 70.8 ms. Same products, regrouped: the logits agree to float rounding.
-In bf16 and on CUDA the plain product is used. Models whose logits are anything but `lm_head(hidden)` (scaled, soft-capped)
-are not listed in PLAIN_HEAD_MODELS and keep the model's own forward.
+In bf16 and on CUDA the plain product is used. Models whose logits are anything but `lm_head(hidden)` (scaled,
+soft-capped) are not listed in PLAIN_HEAD_MODELS and keep the model's own forward.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import torch
 PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 SKINNY_ROWS = 16  # at or below: W @ x^T
 VOCAB_BLOCK = 1024  # above: x @ W[block]^T per block of the vocabulary
-# fp32 only: in bf16 the plain product was as fast or faster at every row count (1 thread, AMD EPYC with
-# avx512_bf16: 8 rows 9.0 vs 11.3 ms, 64 rows 23.6 vs 25.8 ms for the grouped forms)
-GROUPED_DTYPES = (torch.float32,)
+# The dtypes whose CPU GEMMs pay for regrouping (the head's forms here, the decode layers' `W @ x^T` in
+# decode_forward.linear): fp32 only. In bf16 (oneDNN, AMD EPYC with avx512_bf16, 1 thread) the plain product was
+# as fast or faster: the head 9.0 vs 11.3 ms at 8 rows, 23.6 vs 25.8 ms at 64; a layer's 1-4 row GEMMs 0.38-0.44
+# vs 0.66 ms.
+REGROUP_DTYPES = (torch.float32,)
 
 
 class LastLogits:
@@ -45,7 +47,7 @@ class LastLogits:
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden [B, H] @ weight [V, H]^T, grouped for the CPU GEMM (see the module docstring)."""
-    if hidden.device.type != "cpu" or hidden.dtype not in GROUPED_DTYPES:
+    if hidden.device.type != "cpu" or hidden.dtype not in REGROUP_DTYPES:
         return torch.nn.functional.linear(hidden, weight)
     rows, vocab = hidden.shape[0], weight.shape[0]
     if rows <= SKINNY_ROWS:
