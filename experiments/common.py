@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from plan import MARKER as DONE
@@ -43,17 +43,14 @@ TASK_OVERRIDES = [
     "eval.num_prompts=32",  # 32 x 4 answers: ~30 s per eval on this machine
     "eval.samples_per_prompt=4",
 ]
-# The main job's batch and learning rate, which every arm shares: 16 prompts x 4 samples per update at lr 2e-5, in
-# bf16. Why not smaller: 4 or 8 prompts x 4 (lr 2e-5 / 5e-5) left 50-75% of groups without a success on the worked
-# three-term sum and nothing learned (experiments/README.md). bf16, not `auto`: runs of one queue may land on
-# different machines over several days and must compute the same thing, and bf16 is what GPU users train in (its
-# train-inference mismatch is what the Train-Infer Mask exists for); it needs a CPU with bf16 matmuls (AVX512-BF16
-# or AMX: on an AVX2-only CPU bf16 is ~100x slower, and `--report-only` is all such a machine should run).
+# The main job's batch and learning rate, which every arm shares: 16 prompts x 4 samples per update at lr 2e-5. Why
+# not smaller: 4 or 8 prompts x 4 (lr 2e-5 / 5e-5) left 50-75% of groups without a success on the worked three-term
+# sum and nothing learned (experiments/README.md). The dtype is the arm's (`Arm.dtype`), never `auto`: runs of one
+# queue may land on different machines over several days and must compute the same thing.
 # Checkpoints (one kept) so an interrupted arm resumes (trainer.resume=auto); no HF export, TensorBoard or plots:
 # they cost wall-clock that is not training.
 BASE_OVERRIDES = [
     *TASK_OVERRIDES,
-    "model.dtype=bf16",
     "trainer.prompts_per_update=16",
     "trainer.samples_per_prompt=4",
     "trainer.resume=auto",
@@ -78,9 +75,13 @@ class Arm:
     save_every: int = 4  # checkpoint cadence: how much an interruption can cost (each save is ~1 s at 135M)
     extra: dict = field(default_factory=dict)
     max_seeds: int | None = None  # a measurement run (e.g. an audit), not a comparison: the first N seeds only
+    # model.dtype of every seed. bf16 by default: what GPU users train in, and its train-inference mismatch is what
+    # the Train-Infer Mask and the exact old-logit sources exist for. A bf16 arm needs a CPU with bf16 matmuls
+    # (AVX512-BF16 or AMX); elsewhere the queue leaves it for another machine (`runs_here`).
+    dtype: str = "bf16"
 
     def command(self, run_dir: Path, seed: int, steps: int | None = None) -> list[str]:
-        return ["mcore-rl-train", f"hydra.run.dir={run_dir}", *BASE_OVERRIDES, f"seed={seed}",
+        return ["mcore-rl-train", f"hydra.run.dir={run_dir}", *BASE_OVERRIDES, f"model.dtype={self.dtype}", f"seed={seed}",
                 f"trainer.save_every={self.save_every}", *self.overrides, f"trainer.steps={steps or self.steps}"]
 
 
@@ -132,12 +133,19 @@ def machine() -> dict:
     return {"cpu_model": model, "cpu_count": os.cpu_count(), "host": os.uname().nodename}
 
 
-def run_arm(exp: str, arm: Arm, seed: int, steps: int | None = None) -> Path:
-    """Bring one (arm, seed) run to `steps` updates, as plan.decide says: skip a finished one, write a missing
-    marker, resume from the checkpoint, or (re)start. The DONE marker is written atomically after the last eval."""
+def committed_marker(exp_dir: Path, arm: Arm, seed: int) -> Path:
+    """Where collect() copies a finished run's DONE marker: in git, so it outlives the run directory."""
+    return exp_dir / "data" / arm.name / f"seed{seed}.{DONE}"
+
+
+def run_arm(exp: str, arm: Arm, seed: int, steps: int | None = None, exp_dir: Path | None = None) -> Path:
+    """Bring one (arm, seed) run to `steps` updates, as plan.decide says: skip a finished one (its own marker, or
+    the committed copy under `exp_dir`/data), write a missing marker, resume from the checkpoint, or (re)start. The
+    DONE marker is written atomically after the last eval."""
     steps = steps or arm.steps
     run_dir = run_dir_for(exp, arm, seed)
-    action, reason = decide(probe(run_dir), steps)
+    committed = committed_marker(exp_dir, arm, seed) if exp_dir is not None else None
+    action, reason = decide(probe(run_dir, committed), steps)
     tag = f"[{exp}/{arm.name}/seed{seed}]"
     print(f"{tag} {action}: {reason}", flush=True)
     if action == "skip":
@@ -289,8 +297,38 @@ GPU_OVERRIDES = [
 
 def gpu_arm(arm: Arm, model_dir: str) -> Arm:
     """The arm with the GPU profile (its own overrides first, so the profile's batch sizes win; the model last)."""
-    return Arm(arm.name, arm.label, [*arm.overrides, *GPU_OVERRIDES, f"model.hf_path={model_dir}"], arm.steps,
-               arm.save_every, arm.extra)
+    return replace(arm, overrides=[*arm.overrides, *GPU_OVERRIDES, f"model.hf_path={model_dir}"], dtype="bf16")
+
+
+def runs_here(arm: Arm, rates=None) -> str | None:
+    """Why this machine should not train `arm` (None: it should). A bf16 arm on a CPU whose bf16 `torch.mm` is
+    slower than fp32 (AVX2-only: ~100x slower; AVX-512 without AVX512-BF16: ~5x) would take hours per run and load
+    the machine for nothing: such runs wait for a machine with bf16 matmuls. `rates`: precision.MatmulRates (measured
+    once per process when not given)."""
+    if arm.dtype != "bf16" or _cuda():
+        return None
+    rates = rates or _matmul_rates()
+    if rates.bf16_gflops >= rates.fp32_gflops:
+        return None
+    return (f"bf16 arm, and this CPU's bf16 torch.mm runs at {rates.bf16_gflops:.0f} GFLOP/s against fp32's "
+            f"{rates.fp32_gflops:.0f}: left for a CPU with AVX512-BF16 or AMX (or a GPU)")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+_RATES: list = []
+
+
+def _matmul_rates():
+    if not _RATES:
+        from mcore_rl.policy.precision import measure_matmul_rates
+
+        _RATES.append(measure_matmul_rates())
+    return _RATES[0]
 
 
 def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tuple[str, ...],
@@ -321,15 +359,18 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
     if not args.report_only:
         seeds = seeds_for(args.seeds)
         by_name = {a.name: a for a in chosen}
-        states = {(a.name, s): probe(run_dir_for(exp, a, s)) for a in chosen for s in seeds}
+        states = {(a.name, s): probe(run_dir_for(exp, a, s), committed_marker(exp_dir, a, s))
+                  for a in chosen for s in seeds}
         for job in plan([(a.name, a.steps) for a in chosen], seeds, states):
             cap = by_name[job.arm].max_seeds
             if cap is not None and job.seed not in seeds[:cap]:
                 continue
-            if args.dry_run:
-                print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason})")
+            why_not = None if job.action == "skip" else runs_here(by_name[job.arm])
+            if args.dry_run or why_not:
+                print(f"seed {job.seed} {job.arm}: " + (f"not here ({why_not})" if why_not else
+                                                         f"{job.action} ({job.reason})"), flush=True)
                 continue
-            run_arm(exp, by_name[job.arm], job.seed)
+            run_arm(exp, by_name[job.arm], job.seed, exp_dir=exp_dir)
             collect(exp_dir, exp, by_name[job.arm], job.seed, train_keys)
         if args.dry_run:
             return

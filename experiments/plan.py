@@ -7,7 +7,8 @@ be testable without running a model (tests/evaluation/test_exp_queue.py). `probe
 the disk.
 
 The rules, in order:
-  - a DONE marker for at least the requested updates      -> skip   (a finished arm is never re-run)
+  - a DONE marker for at least the requested updates      -> skip   (a finished arm is never re-run; the marker's
+                                                             committed copy in data/ counts too)
   - the run exited 0 and its eval.jsonl reached the last update, but no marker (the queue died between the run and
     the marker)                                           -> finish (write the marker; nothing is re-run)
   - a verified checkpoint below the requested updates      -> resume (trainer.resume=auto picks it up)
@@ -73,12 +74,17 @@ def plan(arms: list[tuple[str, int]], seeds: list[int], states: dict[tuple[str, 
     return jobs
 
 
-def probe(run_dir: Path) -> RunState:
-    """Read a run directory into a RunState (the trainer's own checkpoint verification decides what counts)."""
-    if not run_dir.is_dir():
-        return RunState()
+def probe(run_dir: Path, committed: Path | None = None) -> RunState:
+    """Read a run directory into a RunState (the trainer's own checkpoint verification decides what counts).
+    `committed`: the marker's copy under the experiment's data/ (in git). It counts where the run directory has no
+    marker of its own, above all where the directory is gone: run directories live outside the repository, and a
+    queue continued on another machine or after a wiped disk must not re-run the arms its data/ already holds."""
     marker = run_dir / MARKER
+    if not marker.is_file() and committed is not None and committed.is_file():
+        marker = committed
     done = json.loads(marker.read_text())["steps"] if marker.is_file() else None
+    if not run_dir.is_dir():
+        return RunState(done_steps=done)
     ckpt = None
     if (run_dir / "checkpoints").is_dir():
         from mcore_rl.trainer.state import latest_update

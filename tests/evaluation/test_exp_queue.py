@@ -116,6 +116,27 @@ def test_probe_reads_marker_checkpoint_evals_and_exit_status(tmp_path):
     assert moved.name == "run.interrupted1" and not run.exists() and (moved / "eval.jsonl").exists()
 
 
+def test_a_committed_marker_skips_a_run_whose_directory_is_gone(tmp_path, monkeypatch, capsys):
+    """Run directories live outside the repository: on another machine (or after a wiped disk) the queue finds none,
+    and the DONE copy under data/ must still keep a finished arm from running again, through run_arm as through the
+    plan. Without the copy the same arm would start."""
+    import common
+
+    monkeypatch.setattr(common, "EXP_ROOT", tmp_path / "runs")
+    arm, exp_dir = common.Arm("a", "A", [], steps=8), tmp_path / "exp"
+    committed = common.committed_marker(exp_dir, arm, 7)
+    run = common.run_dir_for("exp", arm, 7)
+    assert plan.decide(plan.probe(run, committed), 8)[0] == "start"
+    committed.parent.mkdir(parents=True)
+    committed.write_text(json.dumps({"steps": 8}))
+    assert plan.probe(run, committed) == RunState(done_steps=8)
+    assert plan.decide(plan.probe(run, committed), 8)[0] == "skip"
+    assert plan.decide(plan.probe(run, committed), 12)[0] == "start"  # extending an arm past its marker
+    monkeypatch.setattr(common, "_segment", lambda *a: pytest.fail("a finished arm ran again"))
+    common.run_arm("exp", arm, 7, exp_dir=exp_dir)
+    assert "skip: done (8 updates)" in capsys.readouterr().out and not run.exists()
+
+
 FAKE_TRAINER = r"""
 import json, os, sys
 args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
@@ -310,9 +331,28 @@ def test_every_arm_composes_and_validates(gpu):
             and cfg.trainer.resume == "auto"
             and cfg.trainer.save_every > 0
         )
+        assert cfg.model.dtype == ("bf16" if gpu else arm.dtype), (folder, arm.name)  # never `auto`
         if gpu:
             assert cfg.rollout.engine == "sglang" and cfg.model.hf_path.endswith("Qwen2.5-0.5B-Instruct")
             assert cfg.trainer.prompts_per_update == 32 and cfg.data.options.max_terms == 5  # the profile wins
+
+
+def test_bf16_arms_wait_for_a_cpu_with_bf16_matmuls(monkeypatch):
+    """On a CPU whose bf16 torch.mm is slower than fp32 (AVX2-only, or AVX-512 without AVX512-BF16) the queue leaves
+    bf16 arms for another machine and still runs fp32 arms; with fast bf16 it runs both."""
+    import common
+
+    from mcore_rl.policy.precision import MatmulRates
+
+    monkeypatch.setattr(common, "_cuda", lambda: False)
+    bf16, fp32 = common.Arm("a", "A", [], steps=2), common.Arm("b", "B", [], steps=2, dtype="fp32")
+    slow = MatmulRates(fp32_gflops=296.0, bf16_gflops=60.0)  # an AVX-512 Xeon without AVX512-BF16, measured
+    why = common.runs_here(bf16, slow)
+    assert "60 GFLOP/s against fp32's 296" in why and common.runs_here(fp32, slow) is None
+    fast = MatmulRates(fp32_gflops=188.0, bf16_gflops=410.0)
+    assert common.runs_here(bf16, fast) is None and common.runs_here(fp32, fast) is None
+    monkeypatch.setattr(common, "_cuda", lambda: True)
+    assert common.runs_here(bf16, slow) is None  # a GPU trains bf16
 
 
 @pytest.mark.slow
@@ -322,10 +362,10 @@ def test_run_arm_resumes_the_real_trainer(tmp_path, monkeypatch):
     import common
 
     monkeypatch.setattr(common, "EXP_ROOT", tmp_path / "runs")
-    tiny = ["model=tiny", "model.dtype=fp32", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
+    tiny = ["model=tiny", "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2",
             "trainer.max_new_tokens=8", "eval.max_new_tokens=8", "eval.num_prompts=3", "eval.every=1",
             "algorithm=grpo_cpu"]
-    arm = common.Arm("tiny", "tiny", tiny, steps=2, save_every=1)
+    arm = common.Arm("tiny", "tiny", tiny, steps=2, save_every=1, dtype="fp32")
     common.run_arm("exp", arm, 5, steps=1)
     run = common.run_dir_for("exp", arm, 5)
     assert json.loads((run / plan.MARKER).read_text())["steps"] == 1
