@@ -81,8 +81,9 @@ class Arm:
     dtype: str = "bf16"
 
     def command(self, run_dir: Path, seed: int, steps: int | None = None) -> list[str]:
-        return ["mcore-rl-train", f"hydra.run.dir={run_dir}", *BASE_OVERRIDES, f"model.dtype={self.dtype}", f"seed={seed}",
-                f"trainer.save_every={self.save_every}", *self.overrides, f"trainer.steps={steps or self.steps}"]
+        return ["mcore-rl-train", f"hydra.run.dir={run_dir}", *BASE_OVERRIDES, f"model.dtype={self.dtype}",
+                f"seed={seed}", f"trainer.save_every={self.save_every}", *self.overrides,
+                f"trainer.steps={steps or self.steps}"]
 
 
 def seeds_for(n: int) -> list[int]:
