@@ -76,12 +76,15 @@ def difference_rows(exp_dir: Path, pairs: list[tuple[Arm, Arm]]) -> list[str]:
 
 
 def machine_lines(exp_dir: Path, arms: list[Arm]) -> list[str]:
-    """Which machine(s) the segments ran on and how loaded it was: wall-clock comparisons depend on both."""
+    """Which machine(s) the segments ran on, in which dtype, and how loaded the machine was: wall-clock comparisons
+    depend on all three."""
     seen: dict[str, list[float]] = {}
     for arm in arms:
         for meta in arm_meta(exp_dir, arm).values():
             for s in meta["segments"]:
-                key = f"{s.get('cpu_model', '?')}, {s.get('cpu_count', '?')} cores ({s.get('host', '?')})"
+                dtypes = [c.split("=", 1)[1] for c in s.get("command", []) if c.startswith("model.dtype=")]
+                key = (f"{s.get('cpu_model', '?')}, {s.get('cpu_count', '?')} cores ({s.get('host', '?')}), "
+                       f"model.dtype={dtypes[-1] if dtypes else '?'}")
                 seen.setdefault(key, []).append(s["load_mean"])
     if not seen:
         return ["Machine: no runs recorded yet."]

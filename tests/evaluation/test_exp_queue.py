@@ -245,6 +245,7 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
                                 "cpu_model": "AMD EPYC",
                                 "cpu_count": 2,
                                 "host": "h",
+                                "command": ["mcore-rl-train", "model.dtype=bf16", f"seed={seed}"],
                             }
                         ]
                     }
@@ -264,7 +265,7 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     )
     assert "0 (not run)" in rows["GRPO on-policy (mu=1)"]
     assert text.count(" [0.") + text.count(" [-0.") >= 4  # intervals on before/after cells and the difference
-    assert "AMD EPYC, 2 cores" in text
+    assert "AMD EPYC, 2 cores (h), model.dtype=bf16; 6 segments" in text
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
 
 
