@@ -8,9 +8,11 @@ Each (dtype, head) runs in its own process, so peak memory is that step's alone:
 high-water mark (VmHWM, reset through /proc/self/clear_refs right before one step, after `malloc_trim` returned
 the free heap pages, so the rise above the pre-step RSS is the step's own memory), on CUDA
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`. Per row: the roofline (best `torch.mm` rate
-over this model's GEMM shapes at the micro-batch's token count, in the row's dtype), the step's model FLOPs
-(6 x matmul params x tokens + causal attention), the achieved rate of a Megatron fwd+bwd (median over --iters
-after a warm-up that also compiles) and its fraction of the roofline (MFU on a GPU), the optimizer step, and
+over this model's GEMM shapes at the micro-batch's token count, in the row's dtype, sampled right before each
+timed step), the step's model FLOPs (6 x matmul params x tokens + causal attention), the achieved rate of a
+Megatron fwd+bwd (median over --iters after a warm-up that also compiles) and its fraction of the roofline (MFU on
+a GPU: the median and the best of the per-step fractions, each against the roofline sampled next to it), the
+optimizer step, and
 optionally `transformers` on the same weights and loss. The default 8 x 64 tokens is the main job's micro-batch
 (`trainer.token_budget=512`); every token is scored, the largest LM-head load for that budget.
 """
@@ -37,16 +39,14 @@ SHAPES = {  # HF LlamaConfig kwargs for the random-weight models
 }
 
 
-def bench(fn, iters: int, best: list | None = None) -> float:
-    """Median seconds per call after a warm-up; appends the fastest call to `best` when given."""
+def bench(fn, iters: int) -> float:
+    """Median seconds per call after a warm-up."""
     fn()  # warm-up (and the compiled ops' compilation)
     times = []
     for _ in range(iters):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    if best is not None:
-        best.append(min(times))
     return statistics.median(times)
 
 
@@ -61,13 +61,41 @@ def model_flops_per_token(args, seq: int) -> float:
     return 3 * (2 * matmul_params + attn)
 
 
-def roofline_gflops(args, dtype, tokens: int, device: str) -> float:
-    from mcore_rl.policy.precision import matmul_gflops
+def sustained_gflops(args, dtype, tokens: int, device: str, seconds: float = 0.2) -> float:
+    """The model's GEMM shapes at `tokens` rows, each run back to back for `seconds`: total FLOPs over total time
+    of the fastest shape. Sustained, not a best-of call: another process slows it as much as it slows a step (a
+    best-of picks the gaps in the load and reads the quiet rate while the steps run at half of it)."""
+    import torch
 
-    h = args.hidden_size
-    shapes = [(tokens, h, args.ffn_hidden_size), (tokens, args.ffn_hidden_size, h),
-              (tokens, h, args.num_attention_heads * args.head_dim)]
-    return max(matmul_gflops(dtype, m, k, n, min_time=0.3, device=device) for m, k, n in shapes)
+    h, best = args.hidden_size, 0.0
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for m, k, n in [(tokens, h, args.ffn_hidden_size), (tokens, args.ffn_hidden_size, h),
+                    (tokens, h, args.num_attention_heads * args.head_dim)]:
+        x, w = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
+        torch.mm(x, w)
+        sync()
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            torch.mm(x, w)
+            sync()
+            calls += 1
+        best = max(best, 2.0 * m * k * n * calls / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def paired(step, roofline, iters: int) -> tuple[list[float], list[float]]:
+    """(seconds per step, sustained roofline GFLOP/s measured right before that step) for `iters` steps after a
+    warm-up. Why paired: on a shared machine the load moves the achievable matmul rate by 2x within minutes, so one
+    roofline measured apart from the steps (as this script once did) gave fractions of 60% and 98% for two rows of
+    one run; a step's fraction of a sustained roofline sampled next to it sees the same load."""
+    step()  # warm-up (and the compiled ops' compilation)
+    seconds, roofs = [], []
+    for _ in range(iters):
+        roofs.append(roofline())
+        t = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - t)
+    return seconds, roofs
 
 
 def _status_kb(key: str) -> int:
@@ -138,16 +166,16 @@ def measure(a, name: str, head: str) -> dict:
                              chunked_head=head != "unchunked", packed=head == "packed")
         sync()
 
-    fastest: list[float] = []
-    t_m = bench(megatron_step, a.iters, fastest)
+    flops = model_flops_per_token(args, a.seq) * n_real  # real tokens only: pad tokens are not useful work
+    steps, roofs = paired(megatron_step, lambda: sustained_gflops(args, tdt, n_tok, a.device), a.iters)
     peak, step_mb = step_peak_mb(torch, megatron_step, a.device)
     t_o = bench(policy.optimizer.step, max(1, a.iters // 2))
-    roof = roofline_gflops(args, tdt, n_tok, a.device)
-    flops = model_flops_per_token(args, a.seq) * n_real  # real tokens only: pad tokens are not useful work
+    t_m = statistics.median(steps)
     achieved = flops / t_m / 1e9
-    # best-of fraction: the roofline is a best-of, so under load compare it with the fastest step too
-    row = dict(dtype=name, head=head, tok_s=n_real / t_m, gflops=achieved, roof=roof, frac=achieved / roof,
-               best_frac=flops / fastest[0] / 1e9 / roof, opt=t_o, step_flops=flops, peak_mb=peak, step_mb=step_mb)
+    fracs = [flops / t / 1e9 / r for t, r in zip(steps, roofs)]
+    row = dict(dtype=name, head=head, tok_s=n_real / t_m, gflops=achieved, roof=max(roofs),
+               frac=statistics.median(fracs), best_frac=max(fracs), opt=t_o, step_flops=flops, peak_mb=peak,
+               step_mb=step_mb)
     if not a.no_hf and head == "chunked" and not a.ragged:
         row.update(hf_step(torch, a, tdt, tokens, n_tok, flops, sync))
     if a.profile:
