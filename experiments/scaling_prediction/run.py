@@ -18,8 +18,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from common import Arm, arms_main, evals, git_rev, write_results  # noqa: E402
-from report import arm_table, machine_lines, plot_curves  # noqa: E402
+from common import Arm, arms_main, evals, git_rev, train_records, write_results  # noqa: E402
+from report import arm_table, machine_lines, plot_curves, plot_train_metrics  # noqa: E402
 from stats import bootstrap_interval  # noqa: E402
 
 EXP = "scaling_prediction"
@@ -36,6 +36,10 @@ ARMS = [
 ]
 HEADLINE = ("scalerl",)  # the claim: a first-half fit predicts the second half
 X = "flops"
+# per update, kept in data/: the loss's own health, and what is left to learn from (the zero-variance filter drops a
+# group whose samples all scored alike; pass-rate retirement removes prompts the policy has solved)
+TRAIN_KEYS = ("cispo_trunc_frac", "ratio_mean", "ppo_kl", "reward_mean", "adv_zero_variance_group_frac",
+              "pass_rate_retired_frac", "entropy", "grad_norm")
 
 
 def scaling_fit(exp_dir: Path, eval_file: Path, name: str, extrapolate: float, fit_until: float) -> dict:
@@ -80,13 +84,37 @@ def report(exp_dir: Path = HERE) -> None:
         lines.append(f"| {arm.label} | {len(errs)} | {bootstrap_interval(errs).cell('+.3f')} | "
                      f"{sum(maes) / len(maes):.3f} | {inside}/{len(errs)} | {', '.join(asym)} |")
     lines += ["", "Each fit's CLI output and plot: `data/fits/<arm>_seed<N>.{txt,png}`.", "",
-              "![accuracy](accuracy.png)", ""]
+              "![accuracy](accuracy.png)", "", *health_lines(exp_dir)]
     write_results(exp_dir, lines)
 
 
+def health_lines(exp_dir: Path) -> list[str]:
+    """What the sigmoid cannot model: how much of each batch still carried a gradient, per half of the run (a
+    group of samples that all scored alike is dropped), and the policy's entropy. Mean over updates, then over
+    seeds with a 95% interval over seeds; plotted per update in train_health.png."""
+    rows = ["## Training health, first half -> second half of the updates", "",
+            "| arm | seeds | groups dropped (no reward variance) | prompts retired (solved) | entropy (nats/token) "
+            "| max gradient norm |", "|---|---|---|---|---|---|"]
+    for arm in ARMS:
+        per_seed = {s: r for s, r in train_records(exp_dir, arm).items() if r and "entropy" in r[0]}
+        if not per_seed:
+            continue
+        cells = []
+        for key in ("adv_zero_variance_group_frac", "pass_rate_retired_frac", "entropy"):
+            halves = [[sum(x[key] for x in h) / len(h) for h in (r[: len(r) // 2], r[len(r) // 2 :])]
+                      for r in per_seed.values()]
+            cells.append(" -> ".join(bootstrap_interval([h[i] for h in halves]).cell(".2f") for i in (0, 1)))
+        peaks = [max(x["grad_norm"] for x in r) for r in per_seed.values()]
+        rows.append(f"| {arm.label} | {len(per_seed)} | {' | '.join(cells)} | {', '.join(f'{p:.0f}' for p in peaks)} |")
+    if len(rows) == 4:
+        return []
+    plot_train_metrics(exp_dir, [(ARMS, "adv_zero_variance_group_frac", "groups dropped (no reward variance)"),
+                                 (ARMS, "entropy", "policy entropy (nats/token)")], exp_dir / "train_health.png")
+    return [*rows, "", "![training health](train_health.png)", ""]
+
+
 def main() -> None:
-    arms_main(__doc__, HERE, EXP, ARMS, ("cispo_trunc_frac", "ratio_mean", "ppo_kl", "reward_mean"), report,
-              HEADLINE)
+    arms_main(__doc__, HERE, EXP, ARMS, TRAIN_KEYS, report, HEADLINE)
 
 
 if __name__ == "__main__":

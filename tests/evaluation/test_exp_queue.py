@@ -291,6 +291,28 @@ def test_p3o_report_plots_ess_and_clip_fraction_over_training(tmp_path):
     assert "![stability](stability.png)" in (tmp_path / "results.md").read_text()
 
 
+def test_scaling_report_shows_what_was_left_to_learn_from(tmp_path):
+    """ScaleRL's health table: per half of the run, the dropped (zero-variance) groups, retired prompts and entropy,
+    mean over seeds with an interval, the peak gradient norm per seed, and the figure; seeds recorded before these
+    keys were kept are left out, not read as zeros."""
+    exp4 = dict(_experiment_modules())["scaling_prediction"]
+    d = tmp_path / "data" / "scalerl"
+    d.mkdir(parents=True)
+    for i, seed in enumerate((1234, 1235)):
+        recs = [{"step": s, "adv_zero_variance_group_frac": 0.6 + 0.3 * (s > 4) + 0.02 * i,
+                 "pass_rate_retired_frac": 0.01 * s, "entropy": 0.8 - 0.1 * s, "grad_norm": 2.0 + s + 10 * i}
+                for s in range(1, 9)]  # fmt: skip
+        (d / f"seed{seed}.train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "seed1236.train.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n")  # older keys
+    lines = exp4.health_lines(tmp_path)
+    row = next(x for x in lines if x.startswith("| ScaleRL (CISPO"))
+    cells = row.split(" | ")
+    assert cells[1] == "2" and cells[2].startswith("0.61 [0.60, 0.62] -> 0.91 [0.90, 0.92]"), row
+    assert cells[4].startswith("0.55 ") and cells[5] == "10, 20 |", row
+    assert (tmp_path / "train_health.png").stat().st_size > 10_000
+    assert exp4.health_lines(tmp_path / "none") == []
+
+
 def _experiment_modules():
     import importlib.util
 
