@@ -13,6 +13,7 @@ be regenerated from committed files (`--report-only`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -321,15 +322,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-_RATES: list = []
-
-
+@functools.cache
 def _matmul_rates():
-    if not _RATES:
-        from mcore_rl.policy.precision import measure_matmul_rates
+    """Measured once per queue process (~1 s): every arm of the process gets the same answer."""
+    from mcore_rl.policy.precision import measure_matmul_rates
 
-        _RATES.append(measure_matmul_rates())
-    return _RATES[0]
+    return measure_matmul_rates()
 
 
 def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tuple[str, ...],
