@@ -342,7 +342,8 @@ def test_every_arm_composes_and_validates(gpu):
     assert len(arms) >= 16
     for folder, arm in arms:
         if gpu:
-            arm = common.gpu_arm(arm, "/models/Qwen2.5-0.5B-Instruct")
+            cpu_arm, arm = arm, common.gpu_arm(arm, "/models/Qwen2.5-0.5B-Instruct")
+            assert (arm.max_seeds, arm.steps, arm.save_every) == (cpu_arm.max_seeds, cpu_arm.steps, cpu_arm.save_every)
         cmd = arm.command(Path("/tmp/x"), 1234)
         overrides = [c for c in cmd[1:] if not c.startswith("hydra.")]
         cfg = compose(overrides)
