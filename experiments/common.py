@@ -212,7 +212,7 @@ def evals(exp_dir: Path, arm: Arm) -> dict[int, list[dict]]:
     out = {}
     for f in sorted((exp_dir / "data" / arm.name).glob("seed*.eval.jsonl")):
         seed = int(f.name.split(".")[0][4:])
-        if (f.parent / f"seed{seed}.{DONE}").exists():
+        if committed_marker(exp_dir, arm, seed).exists():
             out[seed] = read_jsonl(f)
     return out
 
