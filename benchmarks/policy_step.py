@@ -87,8 +87,8 @@ def sustained_gflops(args, dtype, tokens: int, device: str, seconds: float = 0.2
 def paired(step, roofline, iters: int) -> tuple[list[float], list[float]]:
     """(seconds per step, sustained roofline GFLOP/s measured right before that step) for `iters` steps after a
     warm-up. Why paired: on a shared machine the load moves the achievable matmul rate by 2x within minutes, so one
-    roofline measured apart from the steps (as this script once did) gave fractions of 60% and 98% for two rows of
-    one run; a step's fraction of a sustained roofline sampled next to it sees the same load."""
+    roofline measured apart from the steps gave fractions of 60% and 98% for two rows of one run; a step's
+    fraction of a sustained roofline sampled next to it sees the same load."""
     step()  # warm-up (and the compiled ops' compilation)
     seconds, roofs = [], []
     for _ in range(iters):
