@@ -3,6 +3,7 @@
     python benchmarks/rollout_engine.py [--prompts 16] [--n 4] [--new-tokens 96] [--dtypes auto] [--device cpu]
     python benchmarks/rollout_engine.py --device cuda --prompts 64 --n 8
     python benchmarks/rollout_engine.py --forwards fused,hf   # the engine's own decode step vs the HF forward
+    python benchmarks/rollout_engine.py --forwards fused-out,fused-in   # its weights [out, in] vs [in, out]
 
 Prints, for the machine at hand: the measured matmul GFLOP/s per dtype and the read bandwidth; then per dtype
 (`auto`: float32, plus bfloat16 where its matmul is >= 1.5x float32's, i.e. where bf16 is fast) and workload
@@ -121,6 +122,8 @@ def bench_dtype(args, path: str, dtype: str, mm: Rate, bw: Rate, device: torch.d
     engine = LocalEngine(path, device=str(device), dtype=dtype, max_batch_size=args.prompts * args.n)
     try:
         model, tok = engine.model, engine.tokenizer  # one copy of the weights serves both
+        print(f"{dtype}: decode weights [{'in, out' if engine.weight_layout.in_major else 'out, in'}] "
+              f"({engine.weight_layout.why})")
         eos = 2 if tok is None else tok.eos_token_id
         if tok is not None and "<|im_end|>" in tok.get_vocab():  # chat models end a turn with it
             eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -143,6 +146,8 @@ def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str)
     hf_args = (model, prompts, args.n, args.new_tokens, args.temperature, eos, fixed)
     en_args = (engine, prompts, args.n, args.new_tokens, args.temperature, fixed)
     forwards = args.forwards.split(",")
+    chosen = engine.weight_layout.name  # `fused` and `hf` run on the layout the engine chose at start
+    layouts = {"fused": chosen, "hf": chosen, "fused-out": "out", "fused-in": "in"}
     hf_best, out = (0.0, 0.0), {f: ((0.0, 0.0, []), (0.0, 0.0)) for f in forwards}
     for r in range(args.repeats):
         hf_n, hf_dt, hf_dc = timed(run_hf, device, *hf_args)
@@ -150,14 +155,15 @@ def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str)
         print(f"  {dtype} {workload} run {r}: transformers.generate {hf_n} tok in {hf_dt:.2f} s "
               f"({hf_n / hf_dc:.1f} tok/CPU-s)")  # fmt: skip
         for fwd in forwards:
-            on = engine.set_fast_decode(forward=fwd == "fused")
+            engine.set_weight_layout(layouts[fwd])
+            on = engine.set_fast_decode(forward=fwd != "hf")
             s = engine.stats
             s0 = (s.decode_tokens, s.decode_s, s.decode_cpu_s, len(s.batch_sizes))
             en_n, en_dt, en_dc = timed(run_engine, device, *en_args)
             d_tok, d_s, d_cpu = s.decode_tokens - s0[0], s.decode_s - s0[1], s.decode_cpu_s - s0[2]
             steps = list(zip(list(s.batch_sizes)[s0[3] :], list(s.kv_lengths)[s0[3] :]))
             print(
-                f"  {dtype} {workload} run {r}: engine ({fwd} forward{'' if on == (fwd == 'fused') else ' N/A'}) "
+                f"  {dtype} {workload} run {r}: engine ({fwd} forward{'' if on == (fwd != 'hf') else ' N/A'}) "
                 f"{en_n} tok in {en_dt:.2f} s ({en_n / en_dc:.1f} tok/CPU-s), decode {d_tok} tok in {d_s:.2f} s "
                 f"({d_cpu:.2f} CPU-s) over {len(steps)} steps"
             )
@@ -207,10 +213,15 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
-        "--forwards", default="fused", help="comma list: fused (our decode step) / hf (the HF forward)"
+        "--forwards", default="fused",
+        help="comma list: fused (our decode step, on the weight layout the engine chose) / fused-out / fused-in "
+        "(forced [out, in] / [in, out] weights) / hf (the HF forward)",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args()
+    unknown = set(args.forwards.split(",")) - {"fused", "fused-out", "fused-in", "hf"}
+    if unknown:
+        ap.error(f"--forwards: unknown {', '.join(sorted(unknown))} (fused, fused-out, fused-in, hf)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

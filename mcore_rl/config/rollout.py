@@ -24,6 +24,7 @@ class LocalRolloutConfig:
     num_threads: int | None = None  # torch threads for generation (null = leave as is)
     max_batch_size: int = 64        # rows decoded together; more requests queue and join as rows finish
     return_text: bool = True        # decode text (rewards need it)
+    weight_layout: str = "auto"     # decode weights [out, in] (out) or [in, out] (in); auto: timed at start (CPU fp32)
     sync_mode: str = "tensor"       # tensor: in-memory copy | disk: safetensors folder + reload
     sync_dir: str | None = None     # disk: where v<N> folders go (null: run.dir/weight_sync)
     keep_versions: int = 2          # disk: v<N> folders kept
@@ -34,6 +35,7 @@ class LocalRolloutConfig:
             raise ConfigError(f"rollout.device={self.device!r}: expected auto, cpu, cuda or cuda:N")
         one_of("rollout.dtype", self.dtype, ("auto", *SHORT_OR_LONG))
         one_of("rollout.sync_mode", self.sync_mode, ("tensor", "disk"))
+        one_of("rollout.weight_layout", self.weight_layout, ("auto", "out", "in"))
         positive("rollout.max_batch_size", self.max_batch_size)
         positive("rollout.keep_versions", self.keep_versions)
         if self.num_threads is not None:

@@ -8,7 +8,7 @@ numbers (tests/evaluation/test_train_eval_sets.py), which only holds if requests
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,17 +49,19 @@ class SetResult:
     correct: np.ndarray = field(repr=False)  # [prompts, n] bool
 
 
-def _progress(futures: list[Future], desc: str) -> None:
+def _progress(engine: RolloutEngine, futures: list[Future], desc: str) -> None:
     """Block until every sample is done, ticking a bar as samples finish (the engine completes them out of
-    order, so we count completions rather than walk the list)."""
+    order, so we count completions rather than walk the list). Waits through the engine, which may decode on
+    this thread meanwhile."""
     from tqdm import tqdm
 
     with tqdm(total=len(futures), desc=desc, unit="sample", dynamic_ncols=True, leave=False) as bar:
-        pending = set(futures)
+        pending = list(futures)
         while pending:
-            done, pending = wait(pending, timeout=1.0)
-            if done:
-                bar.update(len(done))
+            engine.wait(pending, timeout=1.0)
+            left = [f for f in pending if not f.done()]
+            bar.update(len(pending) - len(left))
+            pending = left
 
 
 def _generate(engine: RolloutEngine, reqs: list[GenerationRequest], progress: str | None) -> list[Sample]:
@@ -67,7 +69,7 @@ def _generate(engine: RolloutEngine, reqs: list[GenerationRequest], progress: st
     if progress is None:
         return engine.generate(reqs)
     futures = engine.submit(reqs)
-    _progress(futures, progress)
+    _progress(engine, futures, progress)
     return [f.result() for f in futures]
 
 

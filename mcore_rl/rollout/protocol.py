@@ -124,6 +124,11 @@ class RolloutEngine(Protocol):
         """Start generating without blocking: one ``Future[Sample]`` per sample, in ``generate`` order."""
         ...
 
+    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> bool:
+        """Block until every future (of this engine's or of work built on it) is done: True, or False once
+        ``timeout`` seconds passed. An in-process engine may run its own steps on the caller's thread meanwhile."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load full tensors under their HF names and tag later tokens with ``version``."""
         ...

@@ -136,7 +136,8 @@ def test_trainer_keys_through_the_cli(tmp_path):
            "data.size=2", "data.sampler.shuffle=false", "data.sampler.seed=1",
            "rollout.engine=local", "rollout.device=cpu", "rollout.dtype=float32", "rollout.max_batch_size=1",
            "rollout.num_threads=1", "rollout.return_text=true", "rollout.sync_mode=disk", f"rollout.sync_dir={ws}",
-           "rollout.keep_versions=1", "model.load_check.enabled=false", f"run.dir={run_dir}"]
+           "rollout.keep_versions=1", "rollout.weight_layout=in", "model.load_check.enabled=false",
+           f"run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -159,6 +160,8 @@ def test_trainer_keys_through_the_cli(tmp_path):
     # data.size=2 with 2 prompts per update: the second update starts a new epoch
     assert recs[-1]["data_epoch"] >= 1
     assert "load check skipped: model.load_check.enabled=false" in proc.stderr
+    # rollout.weight_layout=in: the engine decodes on [in, out] weights, and the synced versions landed in them
+    assert "local engine: decode weights stored [in, out] (rollout.weight_layout)" in proc.stderr
     saved = OmegaConf.load(run_dir / "config.yaml")
     assert (saved.seed, saved.trainer.top_p, saved.trainer.temperature) == (7, 0.9, 1.3)
 

@@ -66,11 +66,15 @@ def _params(names):
     return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
 
 
+@pytest.mark.parametrize("layout", ["out", "in"])
 @pytest.mark.parametrize("name", _params(COVERED))
-def test_fused_forward_equals_transformers(name, tmp_path):
+def test_fused_forward_equals_transformers(name, layout, tmp_path):
+    """Both weight layouts (weight_layout.py): [in, out] buffers behind transposed HF views compute the same
+    log-probs, and the HF reference forward runs on those views too."""
     folder = _folder(tmp_path, *COVERED[name])
-    with LocalEngine(str(folder)) as eng:
+    with LocalEngine(str(folder), weight_layout=layout) as eng:
         assert unsupported(eng.model) is None and eng._batch.fused is not None
+        assert all(f.in_major == (layout == "in") for f in eng._batch.fused.layers)
         fused = _generate(eng)
         diff = _max_logprob_diff(eng.model, fused)
         assert not eng.set_fast_decode(forward=False)  # the reference: transformers' own decode forward
@@ -97,26 +101,49 @@ def test_deterministic_with_the_fused_forward(tiny_dir):
     assert [s.output_logprobs for s in a] == [s.output_logprobs for s in b]
 
 
+@pytest.mark.parametrize("layout", ["out", "in"])
 @pytest.mark.parametrize("repoint", [False, True])
-def test_weight_update_reaches_the_fused_weights(tiny_dir, tiny_alt_model, repoint):
-    """update_weights copies in place into the fused q/k/v and gate/up buffers; parameters re-pointed at new
-    storage (what `module.to()` does) are re-fused by the update. Either way the next tokens' log-probs are the
-    new model's."""
-    with LocalEngine(str(tiny_dir)) as eng:
+def test_weight_update_reaches_the_fused_weights(tiny_dir, tiny_alt_model, repoint, layout):
+    """update_weights copies in place into the fused q/k/v, gate/up, o and down buffers (in the [in, out] layout
+    through the parameters' transposed views); parameters re-pointed at new storage (what `module.to()` does) are
+    re-fused by the update. Either way the next tokens' log-probs are the new model's."""
+    with LocalEngine(str(tiny_dir), weight_layout=layout) as eng:
         fused = eng._batch.fused
-        q = eng.model.model.layers[0].self_attn.q_proj.weight
+        attn = eng.model.model.layers[0].self_attn
+        q, o = attn.q_proj.weight, attn.o_proj.weight
         if repoint:
             for p in eng.model.parameters():
                 p.data = p.data.clone()
             assert not fused.layers[0].is_fused()
         eng.update_weights(tiny_alt_model.state_dict().items(), version=1)
         assert all(f.is_fused() for f in fused.layers)
-        assert q.data_ptr() == fused.layers[0].qkv.data_ptr()
-        assert torch.equal(
-            fused.layers[0].qkv[: q.shape[0]], tiny_alt_model.model.layers[0].self_attn.q_proj.weight
-        )
+        assert q.data_ptr() == fused.layers[0].qkv.data_ptr() and o.data_ptr() == fused.layers[0].o.data_ptr()
+        new_attn = tiny_alt_model.model.layers[0].self_attn
+        qkv = fused.layers[0].qkv.t() if layout == "in" else fused.layers[0].qkv
+        assert torch.equal(qkv[: q.shape[0]], new_attn.q_proj.weight)
+        o_w = fused.layers[0].o.t() if layout == "in" else fused.layers[0].o
+        assert torch.equal(o_w, new_attn.o_proj.weight)
         samples = _generate(eng)
     assert _max_logprob_diff(tiny_alt_model, samples) < 1e-4
+
+
+def test_layout_switch_between_generations_keeps_the_samples(tiny_dir):
+    """set_weight_layout re-stores the weights between steps: the same seeds give the same tokens and log-probs
+    within float rounding, and switching back restores PyTorch's [out, in] parameters."""
+    with LocalEngine(str(tiny_dir), weight_layout="out") as eng:
+        before = _generate(eng, seed=3)
+        eng.set_weight_layout("in")
+        q = eng.model.model.layers[0].self_attn.q_proj.weight
+        qkv_t = eng._batch.fused.layers[0].qkv  # [hidden, q + k + v outputs]
+        assert eng.weight_layout.in_major and qkv_t.is_contiguous() and qkv_t.shape[0] == q.shape[1]
+        assert q.data_ptr() == qkv_t.data_ptr() and q.stride() == (1, qkv_t.shape[1])
+        after = _generate(eng, seed=3)
+        eng.set_weight_layout("out")
+        assert eng.model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
+        again = _generate(eng, seed=3)
+    assert [s.output_ids for s in before] == [s.output_ids for s in after] == [s.output_ids for s in again]
+    lp = torch.tensor([s.output_logprobs for s in before]) - torch.tensor([s.output_logprobs for s in after])
+    assert lp.abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("rows", list(range(1, SKINNY_ROWS + 2)))

@@ -62,15 +62,18 @@ class DecodeBatch:
         self.rows, self.cache, self.mask, self.pos, self.last = [], None, None, None, None
         self._mask_buf = None
 
-    def use_fused(self, enabled: bool) -> str | None:
-        """Decode through DecodeForward (enabled and the model covered exactly), else the model's own forward.
-        Returns why the fused forward is off, or None when it is on."""
+    def use_fused(self, enabled: bool, in_major: bool = False) -> str | None:
+        """Decode through DecodeForward (enabled and the model covered exactly), else the model's own forward;
+        in_major: its layer weights stored [in, out] (weight_layout.py). Returns why the fused forward is off, or
+        None when it is on."""
         reason = "disabled" if not enabled else unsupported(self.model)
         if reason is None and self.last_logits.head is None:
             reason = "LM head is not a plain lm_head(hidden)"
         if reason is None and self.fused is None:
-            self.fused = DecodeForward(self.model)
-        elif reason is not None:
+            self.fused = DecodeForward(self.model, in_major)
+        elif reason is None:
+            self.fused.set_layout(in_major)
+        else:
             self.fused = None
         return reason
 

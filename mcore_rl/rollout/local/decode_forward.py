@@ -8,7 +8,8 @@ the query heads of each KV head as the query rows (grouped-query attention witho
 one GEMM for gate/up, the activation, down_proj.
 
 The HF module stays the source of truth: its q/k/v (and gate/up) weights become row views of one fused buffer
-per layer (`fuse`), so an in-place weight update (`weights.load_named_tensors`) lands in the fused buffer with no
+per layer (`fuse`; or transposed column views of [in, out] buffers where this CPU multiplies that layout faster,
+weight_layout.py), so an in-place weight update (`weights.load_named_tensors`) lands in the fused buffer with no
 copy; `refresh` re-fuses any layer whose parameters were re-pointed (`module.to`, `.data =`). RoPE comes from the
 model's own rotary embedding module (default, linear, dynamic, llama3, YaRN incl. its attention factor), RMSNorm,
 activation, biases and qwen3's q/k norms from the model's own modules and constants. What the path does not
@@ -86,61 +87,76 @@ def rms_norm(x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
 
 @dataclass
 class FusedLayer:
-    """One decoder layer's fused weights (the HF parameters are row views of `qkv` and `gate_up`)."""
+    """One decoder layer's decode weights. [out, in] layout: the HF q/k/v (gate/up) parameters are row views of
+    `qkv` (`gate_up`), `o` and `down` are the HF weights themselves. [in, out] layout (`in_major`, weight_layout.py):
+    every HF weight is a transposed view of its column slice of these buffers."""
 
     layer: torch.nn.Module
-    qkv: torch.Tensor  # [(q_heads + 2 kv_heads) * head_dim, hidden]
+    in_major: bool
+    qkv: torch.Tensor  # [(q_heads + 2 kv_heads) * head_dim, hidden], or its transpose when in_major
     qkv_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden], or its transpose
     gate_up_bias: torch.Tensor | None
+    o: torch.Tensor
+    down: torch.Tensor
 
     def is_fused(self) -> bool:
         """True while every HF parameter still aliases the fused buffers (an in-place update keeps that)."""
         attn, mlp = self.layer.self_attn, self.layer.mlp
-        return _aliases(self.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]) and _aliases(
-            self.gate_up, [mlp.gate_proj, mlp.up_proj]
-        )
+        return all(_aliases(buf, [lin.weight for lin in lins], self.in_major) for buf, lins in (
+            (self.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]), (self.gate_up, [mlp.gate_proj, mlp.up_proj]),
+            (self.o, [attn.o_proj]), (self.down, [mlp.down_proj])))
 
 
-def _aliases(fused: torch.Tensor, linears: list[torch.nn.Module]) -> bool:
-    ptr, step = fused.data_ptr(), fused.stride(0) * fused.element_size()
-    for lin in linears:
-        if lin.weight.data_ptr() != ptr:
+def _aliases(fused: torch.Tensor, params: list[torch.Tensor], in_major: bool) -> bool:
+    """Each parameter is its slice of `fused`: rows in [out, in], transposed columns in [in, out]."""
+    ptr, row_bytes = fused.data_ptr(), fused.stride(0) * fused.element_size()
+    for p in params:
+        if p.data_ptr() != ptr or (in_major and p.stride() != (1, fused.stride(0))):
             return False
-        ptr += lin.weight.shape[0] * step
+        ptr += p.shape[0] * (fused.element_size() if in_major else row_bytes)
     return True
 
 
-def _fuse_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Concatenate, then re-point every parameter at its rows of the result (same Parameter objects)."""
-    fused = torch.cat([p.detach() for p in params])
+def _fuse_params(params: list[torch.nn.Parameter], in_major: bool = False) -> torch.Tensor:
+    """Concatenate (rows, or transposed as columns when in_major), then re-point every parameter at its slice of
+    the result (same Parameter objects). A lone [out, in] parameter is used as it is."""
+    if in_major:
+        fused = torch.cat([p.detach().t() for p in params], dim=1).contiguous()
+    elif len(params) == 1:
+        return params[0].detach()
+    else:
+        fused = torch.cat([p.detach() for p in params])
     start = 0
     for p in params:
-        p.data = fused[start : start + p.shape[0]]
-        start += p.shape[0]
+        n = p.shape[0]
+        p.data = fused[:, start : start + n].t() if in_major else fused[start : start + n]
+        start += n
     return fused
 
 
-def fuse(layer: torch.nn.Module) -> FusedLayer:
+def fuse(layer: torch.nn.Module, in_major: bool = False) -> FusedLayer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv_lin, gu_lin = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
     with torch.no_grad():
-        qkv = _fuse_params([lin.weight for lin in qkv_lin])
-        gate_up = _fuse_params([lin.weight for lin in gu_lin])
+        qkv = _fuse_params([lin.weight for lin in qkv_lin], in_major)
+        gate_up = _fuse_params([lin.weight for lin in gu_lin], in_major)
+        o = _fuse_params([attn.o_proj.weight], in_major)
+        down = _fuse_params([mlp.down_proj.weight], in_major)
         qkv_bias = _fuse_params([lin.bias for lin in qkv_lin]) if attn.q_proj.bias is not None else None
         gu_bias = _fuse_params([lin.bias for lin in gu_lin]) if mlp.gate_proj.bias is not None else None
-    return FusedLayer(layer, qkv, qkv_bias, gate_up, gu_bias)
+    return FusedLayer(layer, in_major, qkv, qkv_bias, gate_up, gu_bias, o, down)
 
 
 class DecodeForward:
     """`forward(tokens, positions, mask, cache)` -> final hidden state [B, hidden] of one decode step."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, in_major: bool = False) -> None:
         reason = unsupported(model)
         if reason:
             raise ValueError(f"fused decode forward: {reason}")
-        self.model = model
-        self.layers = [fuse(layer) for layer in model.model.layers]
+        self.model, self.in_major = model, in_major
+        self.layers = [fuse(layer, in_major) for layer in model.model.layers]
         attn = model.model.layers[0].self_attn
         cfg = model.config.get_text_config(decoder=True)
         self.head_dim = attn.head_dim
@@ -152,8 +168,14 @@ class DecodeForward:
         """Re-fuse layers whose parameters no longer alias the fused buffers; returns how many were re-fused."""
         stale = [i for i, f in enumerate(self.layers) if not f.is_fused()]
         for i in stale:
-            self.layers[i] = fuse(self.layers[i].layer)
+            self.layers[i] = fuse(self.layers[i].layer, self.in_major)
         return len(stale)
+
+    def set_layout(self, in_major: bool) -> None:
+        """Store every layer's weights in the other layout (weight_layout.py); a no-op when already there."""
+        if in_major != self.in_major:
+            self.in_major = in_major
+            self.layers = [fuse(f.layer, in_major) for f in self.layers]
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: KVCache
@@ -174,7 +196,8 @@ class DecodeForward:
 
     def _layer(self, fused: FusedLayer, kv, h: torch.Tensor, rope, bias: torch.Tensor) -> torch.Tensor:
         mod, b, d = fused.layer, h.shape[0], self.head_dim
-        qkv = linear(rms_norm(h, mod.input_layernorm), fused.qkv, fused.qkv_bias)
+        mm = in_major_linear if fused.in_major else linear
+        qkv = mm(rms_norm(h, mod.input_layernorm), fused.qkv, fused.qkv_bias)
         nq, nkv = self.q_heads, self.kv_heads
         qk = qkv[:, : (nq + nkv) * d].view(b, nq + nkv, d)
         v = qkv[:, (nq + nkv) * d :].view(b, nkv, 1, d)
@@ -185,11 +208,10 @@ class DecodeForward:
         keys, values = kv.update(qk[:, nq:].unsqueeze(2), v)
         q = qk[:, :nq].reshape(b, nkv, nq // nkv, d)  # query heads of one KV head = its query rows
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.scaling)
-        o_proj, down_proj = mod.self_attn.o_proj, mod.mlp.down_proj
-        h = h + linear(attn.reshape(b, nq * d), o_proj.weight, o_proj.bias)
-        gu = linear(rms_norm(h, mod.post_attention_layernorm), fused.gate_up, fused.gate_up_bias)
+        h = h + mm(attn.reshape(b, nq * d), fused.o, mod.self_attn.o_proj.bias)
+        gu = mm(rms_norm(h, mod.post_attention_layernorm), fused.gate_up, fused.gate_up_bias)
         inter = gu.shape[1] // 2
-        return h + linear(mod.mlp.act_fn(gu[:, :inter]) * gu[:, inter:], down_proj.weight, down_proj.bias)
+        return h + mm(mod.mlp.act_fn(gu[:, :inter]) * gu[:, inter:], fused.down, mod.mlp.down_proj.bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -204,6 +226,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     xt = x.expand(2, -1).contiguous().t() if rows == 1 else x.t()
     out = torch.mm(weight, xt).t()[:rows].contiguous()
     return out if bias is None else out.add_(bias)
+
+
+def in_major_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight_t (+ bias) with weight_t stored [in, out] (weight_layout.py: where this CPU runs it faster)."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 def _rope(x: torch.Tensor, cos1, cos2, sin1, sin2) -> torch.Tensor:

@@ -17,18 +17,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mcore_rl.dtypes import SHORT_OR_LONG, long_name
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
+from mcore_rl.rollout.local.engine_stats import EngineStats
 from mcore_rl.rollout.local.kv_cache import MAX_RESERVE, check_full_attention
 from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample, tokens_left
 from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
+from mcore_rl.rollout.local.weight_layout import choose as choose_layout
 from mcore_rl.rollout.local.weights import load_named_tensors
 from mcore_rl.rollout.protocol import (
     PAUSE_MODES,
@@ -41,6 +42,7 @@ from mcore_rl.rollout.protocol import (
 from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
 log = logging.getLogger(__name__)
+DRIVER_POLL_S = 0.05  # a driving caller with nothing to step re-checks its futures this often
 
 
 def resolve_device(device: str) -> torch.device:
@@ -51,23 +53,6 @@ def resolve_device(device: str) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-@dataclass
-class EngineStats:
-    """Counters and timings of the worker, so a run (or benchmarks/rollout_engine.py) can set what the engine
-    achieved against the roofline of the batches it actually ran."""
-
-    steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens run through the model (a prompt shared by n samples counts once)
-    decode_tokens: int = 0
-    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=100_000))  # rows per decode step
-    kv_lengths: deque = field(default_factory=lambda: deque(maxlen=100_000))  # cache columns read per step
-    regenerated: int = 0  # samples restarted from their prompt by a weight update (interrupt mode)
-    decode_s: float = 0.0  # wall-clock of decode steps (forward + sampling; the token read-back syncs a GPU)
-    decode_cpu_s: float = 0.0  # process CPU time over the same steps (steadier on a shared machine)
-    prefill_s: float = 0.0
-    prefill_cpu_s: float = 0.0
 
 
 @register_engine("local")
@@ -86,6 +71,7 @@ class LocalEngine:
         return_text: bool = True,
         fast_decode: bool = True,
         fused_forward: bool = True,
+        weight_layout: str = "auto",
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -128,8 +114,13 @@ class LocalEngine:
         # worker-owned batch state
         self._model_lock = threading.RLock()
         self._outside_waiters = 0  # callers waiting for _model_lock: the loop lets them in before its next step
+        self._drivers = 0  # callers running the steps themselves (`wait`): the worker idles meanwhile
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
+        self.weight_layout = choose_layout(self.model, weight_layout, self.device, torch_dtype)
+        log.log(logging.WARNING if self.weight_layout.measured or weight_layout != "auto" else logging.INFO,
+                "local engine: decode weights stored [%s] (%s)",
+                "in, out" if self.weight_layout.in_major else "out, in", self.weight_layout.why)
         self.set_fast_decode(fast_decode, fused_forward)
         self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
@@ -154,10 +145,18 @@ class LocalEngine:
         not cover exactly: the HF forward (the reference). Between steps; returns whether `forward` is on."""
         with self._hold_model():
             self._index_free = bool(sampling)
-            reason = self._batch.use_fused(forward)
+            reason = self._batch.use_fused(forward, self.weight_layout.in_major)
         if forward and reason:
             log.info("local engine: HF forward for decode steps (%s)", reason)
         return reason is None
+
+    def set_weight_layout(self, layout: str) -> None:
+        """Store the decode step's layer weights [out, in] (`out`) or [in, out] (`in`), or measure again (`auto`):
+        between steps, e.g. to time both layouts in one process (benchmarks/rollout_engine.py)."""
+        with self._hold_model():
+            self.weight_layout = choose_layout(self.model, layout, self.device, self.model.dtype)
+            if self._batch.fused is not None:
+                self._batch.fused.set_layout(self.weight_layout.in_major)
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -165,7 +164,42 @@ class LocalEngine:
         return self._version
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
-        return [f.result() for f in self.submit(requests)]
+        futures = self.submit(requests)
+        self.wait(futures)
+        return [f.result() for f in futures]
+
+    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> bool:
+        """Block until every future is done (True) or `timeout` seconds pass (False). On a CPU the calling thread
+        runs the decode steps itself meanwhile (the worker thread idles while a caller drives). Why: PyTorch's
+        element-wise ops and MKL's GEMMs run on one OpenMP thread team per calling thread, and with the trainer's
+        team and the worker's both alive on a small machine, libgomp stops spinning and wakes its threads through
+        the kernel for every op: a [64, 576] multiply took 70-80 us on the worker thread against 7 us on the main
+        thread (2 cores), and the trainer's own ops slowed while the worker's team existed. Decoding on the caller's
+        thread keeps one team (SmolLM2 fp32, 64 rows: 202-215 -> 149-166 ms per decode step)."""
+        if self.device.type != "cpu" or threading.current_thread() is self._worker:
+            return not wait(futures, timeout=timeout).not_done
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            self._drivers += 1
+        try:
+            while not all(f.done() for f in futures):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                with self._cv:
+                    if self._closing:
+                        break
+                    if self._outside_waiters or not self._has_work():  # paused, or others' work in flight
+                        self._cv.wait(DRIVER_POLL_S if left is None else min(DRIVER_POLL_S, left))
+                        continue
+                    self._wake = False
+                    admit = self._take_pending()
+                self._run_step(admit)
+        finally:
+            with self._cv:
+                self._drivers -= 1
+                self._cv.notify_all()
+        return all(f.done() for f in futures)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> list[Future]:
         """Queue requests; one Future[Sample] per sample, request-major. Never blocks on generation."""
@@ -304,24 +338,28 @@ class LocalEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closing and (self._outside_waiters or not self._has_work()):
+                while not self._closing and (self._outside_waiters or self._drivers or not self._has_work()):
                     self._cv.wait()
                 if self._closing:
                     return
                 self._wake = False
                 admit = self._take_pending()
-            try:
-                with self._model_lock, torch.inference_mode():
-                    self._step(admit)
-            except Exception as exc:  # fail the affected requests, keep serving
-                log.exception("local engine step failed")
-                for row in itertools.chain(self._batch.rows, admit):
-                    if not row.future.done():
-                        row.future.set_exception(exc)
-                self._batch.reset()
-            with self._cv:
-                self._admitting = []
-                self._cv.notify_all()
+            self._run_step(admit)
+
+    def _run_step(self, admit: list[Row]) -> None:
+        """One step on the calling thread (the worker's loop or a caller in `wait`)."""
+        try:
+            with self._model_lock, torch.inference_mode():
+                self._step(admit)
+        except Exception as exc:  # fail the affected requests, keep serving
+            log.exception("local engine step failed")
+            for row in itertools.chain(self._batch.rows, admit):
+                if not row.future.done():
+                    row.future.set_exception(exc)
+            self._batch.reset()
+        with self._cv:
+            self._admitting = []
+            self._cv.notify_all()
 
     def _has_work(self) -> bool:
         if self._wake:

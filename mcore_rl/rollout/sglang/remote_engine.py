@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -262,6 +262,10 @@ class SGLangEngine:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
         self._check_alive()
         return self._run(self.client.generate(self._seeded(requests)))
+
+    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> bool:
+        """The servers generate on their own: a plain wait."""
+        return not wait(futures, timeout=timeout).not_done
 
     def submit(self, requests: Sequence[GenerationRequest]) -> list[Future]:
         """Start generating now; one Future[Sample] per sample (request-major), like LocalEngine.submit."""

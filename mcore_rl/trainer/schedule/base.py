@@ -202,12 +202,14 @@ class Schedule:
         return [f for rnd in self.pending for f in rnd.futures()]
 
     def _wait(self, futures: list[Future], poll_s: float = 0.2) -> bool:
-        """Wait for `futures`; False as soon as a stop signal is requested."""
-        todo = set(futures)
+        """Wait for `futures`; False as soon as a stop signal is requested. Through the engine, so an in-process
+        engine decodes on this thread meanwhile (LocalEngine.wait says why)."""
+        todo = list(futures)
         while todo:
             if self.ctx.stop.requested:
                 return False
-            _, todo = wait(todo, timeout=poll_s)
+            self.engine.wait(todo, timeout=poll_s)
+            todo = [f for f in todo if not f.done()]
         return True
 
     def abort(self, why: str | None = None) -> None:
