@@ -88,10 +88,15 @@ def test_concurrent_callers_each_get_their_own_samples(tiny_dir, stepping_thread
 
 
 def test_abort_from_another_thread_ends_a_driven_wait(tiny_dir):
+    """The waiting caller is idle (paused engine) when another thread aborts: it wakes, retires the aborted
+    rows itself and returns."""
     with LocalEngine(str(tiny_dir)) as eng:
-        futures = eng.submit(_reqs(tokens=200))
+        eng.pause("in_place")
+        futures = eng.submit(_reqs())
         threading.Timer(0.2, eng.abort).start()
+        t0 = time.monotonic()
         assert eng.wait(futures, timeout=60) is True
+        assert time.monotonic() - t0 < 10
         assert {f.result().finish_reason for f in futures} == {"abort"}
 
 

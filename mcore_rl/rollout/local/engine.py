@@ -1,7 +1,7 @@
 """In-process rollout engine on `transformers` (CPU or GPU): the default engine on one machine.
 
-One worker thread owns the model and runs a continuous batch: requests submitted from any thread queue up and
-join the running batch between decode steps (their prompts are prefilled and merged into the KV cache), rows
+One stepping thread at a time owns the model and runs a continuous batch (the worker, or a caller blocked in
+`wait`: stepping.py): requests submitted from any thread queue up and join the running batch between decode steps (their prompts are prefilled and merged into the KV cache), rows
 that finish leave it at once (index-select), and all-padding columns are cropped, so later steps get cheaper.
 Aborts, pauses and weight updates from other threads take effect between decode steps; every token records the
 weight version that produced it.
@@ -13,12 +13,9 @@ import itertools
 import logging
 import os
 import random
-import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, wait
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -26,9 +23,9 @@ import torch
 from mcore_rl.dtypes import SHORT_OR_LONG, long_name
 from mcore_rl.rollout.local.decode_batch import DecodeBatch
 from mcore_rl.rollout.local.engine_stats import EngineStats
-from mcore_rl.rollout.local.kv_cache import MAX_RESERVE, check_full_attention
-from mcore_rl.rollout.local.rows import Row, eos_ids, finish_check, make_row, to_sample, tokens_left
-from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
+from mcore_rl.rollout.local.kv_cache import check_full_attention
+from mcore_rl.rollout.local.rows import Row, eos_ids, make_row, to_sample
+from mcore_rl.rollout.local.stepping import Stepper
 from mcore_rl.rollout.local.weight_layout import choose as choose_layout
 from mcore_rl.rollout.local.weights import load_named_tensors
 from mcore_rl.rollout.protocol import (
@@ -42,7 +39,6 @@ from mcore_rl.rollout.protocol import (
 from mcore_rl.rollout.weight_sync.disk_sync import iter_safetensors
 
 log = logging.getLogger(__name__)
-DRIVER_POLL_S = 0.05  # a driving caller with nothing to step re-checks its futures this often
 
 
 def resolve_device(device: str) -> torch.device:
@@ -56,8 +52,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 @register_engine("local")
-class LocalEngine:
-    """RolloutEngine over an HF causal LM folder. Thread-safe; `submit` returns one Future per sample."""
+class LocalEngine(Stepper):
+    """RolloutEngine over an HF causal LM folder. Thread-safe; `submit` returns one Future per sample. Which
+    thread runs its steps (the worker, or a caller blocked in `wait`): stepping.py."""
     def __init__(
         self,
         model_path: str,
@@ -103,18 +100,7 @@ class LocalEngine:
         self._version = int(weight_version)
         self.interrupt_on_update = False  # see set_interrupt_on_update
         self.stats = EngineStats()
-        # shared state, guarded by _cv
-        self._cv = threading.Condition()
-        self._pending: deque[Row] = deque()
-        self._admitting: list[Row] = []
-        self._paused = False
-        self._released = False
-        self._closing = False
-        self._wake = False
-        # worker-owned batch state
-        self._model_lock = threading.RLock()
-        self._outside_waiters = 0  # callers waiting for _model_lock: the loop lets them in before its next step
-        self._drivers = 0  # callers running the steps themselves (`wait`): the worker idles meanwhile
+        self._init_stepping()
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
         self.weight_layout = choose_layout(self.model, weight_layout, self.device, torch_dtype)
@@ -122,22 +108,7 @@ class LocalEngine:
                 "local engine: decode weights stored [%s] (%s)",
                 "in, out" if self.weight_layout.in_major else "out, in", self.weight_layout.why)
         self.set_fast_decode(fast_decode, fused_forward)
-        self._worker = threading.Thread(target=self._loop, name="local-rollout-engine", daemon=True)
         self._worker.start()
-
-    @contextmanager
-    def _hold_model(self) -> Iterator[None]:
-        """_model_lock for a caller outside the loop, ahead of its next step (the loop retakes the unfair lock
-        right after each step: a busy batch would starve a weight update until it drains)."""
-        with self._cv:
-            self._outside_waiters += 1
-        try:
-            with self._model_lock:
-                yield
-        finally:
-            with self._cv:
-                self._outside_waiters -= 1
-                self._cv.notify_all()
 
     def set_fast_decode(self, sampling: bool = True, forward: bool = True) -> bool:
         """sampling: index-free sampling (token_sampler.py; bitwise the same tokens and log-probs as False).
@@ -168,39 +139,6 @@ class LocalEngine:
         self.wait(futures)
         return [f.result() for f in futures]
 
-    def wait(self, futures: Sequence[Future], timeout: float | None = None) -> bool:
-        """Block until every future is done (True) or `timeout` seconds pass (False). On a CPU the calling thread
-        runs the decode steps itself meanwhile (the worker thread idles while a caller drives). Why: PyTorch's
-        element-wise ops and MKL's GEMMs run on one OpenMP thread team per calling thread, and with the trainer's
-        team and the worker's both alive on a small machine, libgomp stops spinning and wakes its threads through
-        the kernel for every op: a [64, 576] multiply took 70-80 us on the worker thread against 7 us on the main
-        thread (2 cores), and the trainer's own ops slowed while the worker's team existed. Decoding on the caller's
-        thread keeps one team (SmolLM2 fp32, 64 rows: 202-215 -> 149-166 ms per decode step)."""
-        if self.device.type != "cpu" or threading.current_thread() is self._worker:
-            return not wait(futures, timeout=timeout).not_done
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            self._drivers += 1
-        try:
-            while not all(f.done() for f in futures):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                with self._cv:
-                    if self._closing:
-                        break
-                    if self._outside_waiters or not self._has_work():  # paused, or others' work in flight
-                        self._cv.wait(DRIVER_POLL_S if left is None else min(DRIVER_POLL_S, left))
-                        continue
-                    self._wake = False
-                    admit = self._take_pending()
-                self._run_step(admit)
-        finally:
-            with self._cv:
-                self._drivers -= 1
-                self._cv.notify_all()
-        return all(f.done() for f in futures)
-
     def submit(self, requests: Sequence[GenerationRequest]) -> list[Future]:
         """Queue requests; one Future[Sample] per sample, request-major. Never blocks on generation."""
         rows = [self._make_row(req, j) for req, j in expand_requests(requests)]
@@ -210,6 +148,7 @@ class LocalEngine:
             if self._released:
                 raise RuntimeError("engine memory is released; call resume_memory() before generate()")
             self._pending.extend(rows)
+            self._handoff = time.monotonic()
             self._cv.notify_all()
         return [r.future for r in rows]
 
@@ -333,105 +272,3 @@ class LocalEngine:
 
     def _to_sample(self, row: Row) -> Sample:
         return to_sample(row, self.tokenizer, self.return_text)
-
-    # ------------------------------------------------------------------ worker
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closing and (self._outside_waiters or self._drivers or not self._has_work()):
-                    self._cv.wait()
-                if self._closing:
-                    return
-                self._wake = False
-                admit = self._take_pending()
-            self._run_step(admit)
-
-    def _run_step(self, admit: list[Row]) -> None:
-        """One step on the calling thread (the worker's loop or a caller in `wait`)."""
-        try:
-            with self._model_lock, torch.inference_mode():
-                self._step(admit)
-        except Exception as exc:  # fail the affected requests, keep serving
-            log.exception("local engine step failed")
-            for row in itertools.chain(self._batch.rows, admit):
-                if not row.future.done():
-                    row.future.set_exception(exc)
-            self._batch.reset()
-        with self._cv:
-            self._admitting = []
-            self._cv.notify_all()
-
-    def _has_work(self) -> bool:
-        if self._wake:
-            return True
-        if self._paused or self._released:
-            return False
-        return bool(self._batch.rows or self._pending)
-
-    def _take_pending(self) -> list[Row]:
-        """Move queued rows into the batch (FIFO, up to max_batch_size); resolve queued aborts at once."""
-        out: list[Row] = []
-        keep: deque[Row] = deque()
-        while self._pending:
-            row = self._pending.popleft()
-            if row.abort_requested:
-                row.future.set_result(self._to_sample(row))
-            elif self._paused or self._released or len(self._batch) + len(out) >= self.max_batch_size:
-                keep.append(row)
-            else:
-                out.append(row)
-        self._pending = keep
-        self._admitting = out
-        return out
-
-    def _step(self, admit: list[Row]) -> None:
-        self._retire()  # aborted rows leave before paying for another step
-        batch = self._batch
-        stats = self.stats
-        if batch.rows and not self._paused:
-            b, t0, c0 = len(batch), time.perf_counter(), time.process_time()
-            batch.advance(self._sample(batch.rows, batch.decode()))
-            stats.decode_s += time.perf_counter() - t0
-            stats.decode_cpu_s += time.process_time() - c0
-            stats.steps += 1
-            stats.decode_tokens += b
-            stats.batch_sizes.append(b)
-            stats.kv_lengths.append(batch.mask.shape[1])
-        if admit:
-            t0, c0 = time.perf_counter(), time.process_time()
-            reserve = min(max(map(tokens_left, itertools.chain(admit, batch.rows))), MAX_RESERVE)
-            logits, part = batch.prefill([r.req.prompt_ids for r in admit], reserve)
-            batch.add(admit, part, self._sample(admit, logits), reserve)
-            stats.prefill_s += time.perf_counter() - t0
-            stats.prefill_cpu_s += time.process_time() - c0
-            stats.prefill_tokens += part.computed_tokens
-        self._retire()
-
-    def _sample(self, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
-        sps = [r.req.sampling for r in rows]
-        params = RowParams.build(
-            [s.temperature for s in sps],
-            [s.top_p for s in sps],
-            [s.top_k for s in sps],
-            [r.generator for r in rows],
-        )
-        tokens, logprobs = sample_next(logits, params, index_free=self._index_free)
-        version = self._version
-        for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
-            row.out.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(version)
-            finish_check(row, tok, self.tokenizer)
-        return tokens
-
-    def _retire(self) -> None:
-        """Finished / aborted rows leave the batch at once, so later steps get cheaper."""
-        rows = self._batch.rows
-        for row in rows:
-            if row.abort_requested and row.finish is None:
-                row.finish = "abort"
-        done = [r for r in rows if r.finish is not None]
-        if done:
-            self._batch.keep([i for i, r in enumerate(rows) if r.finish is None])
-            for row in done:
-                row.future.set_result(self._to_sample(row))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
 from mcore_rl.rollout.protocol import GenerationRequest, Sample, sample_seed
 
 
@@ -90,6 +91,21 @@ def finish_check(row: Row, token: int, tokenizer) -> None:
         len(row.out) >= sp.max_new_tokens or len(row.req.prompt_ids) + len(row.out) >= row.max_len
     ):
         row.finish = "length"
+
+
+def sample_rows(rows: list[Row], logits: torch.Tensor, version: int, tokenizer, index_free: bool) -> torch.Tensor:
+    """Draw each row's next token from its logits row with its own sampling settings and generator; append
+    token, log-prob and weight version and apply the stop rules. Returns the tokens [B]."""
+    sps = [r.req.sampling for r in rows]
+    params = RowParams.build([s.temperature for s in sps], [s.top_p for s in sps], [s.top_k for s in sps],
+                             [r.generator for r in rows])  # fmt: skip
+    tokens, logprobs = sample_next(logits, params, index_free=index_free)
+    for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+        row.out.append(tok)
+        row.logprobs.append(lp)
+        row.versions.append(version)
+        finish_check(row, tok, tokenizer)
+    return tokens
 
 
 def tokens_left(row: Row) -> int:
