@@ -208,8 +208,8 @@ class _Serialized:
 
 class _TurnLog:
     """The engine as the episode runners see it, writing down every finished turn the moment the engine resolves
-    it (in the engine's thread, so before a later weight version can be announced). Turns more than one version
-    older than the newest are forgotten: a version hook only asks for the version it is leaving."""
+    it (in the thread that ran the engine's step, so before a later weight version can be announced). Turns more
+    than one version older than the newest are forgotten: a version hook only asks for the version it is leaving."""
 
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine, self._lock, self._turns, self._newest = engine, threading.Lock(), [], -1

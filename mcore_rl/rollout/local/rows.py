@@ -18,7 +18,7 @@ from mcore_rl.rollout.protocol import GenerationRequest, Sample, sample_seed
 
 @dataclass
 class Row:
-    """One sample being generated; owned by the worker thread once admitted."""
+    """One sample being generated; owned by the stepping thread (stepping.py) once admitted."""
 
     req: GenerationRequest
     index: int
