@@ -135,8 +135,11 @@ class LocalEngine(Stepper):
         return self._version
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Sample]:
-        futures = self.submit(requests)
-        self.wait(futures)
+        if not self._drives():
+            return [f.result() for f in self.submit(requests)]
+        with self._driving():  # from before the submit: the worker must not take the first step
+            futures = self.submit(requests)
+            self._drive(futures, None)
         return [f.result() for f in futures]
 
     def submit(self, requests: Sequence[GenerationRequest]) -> list[Future]:

@@ -85,52 +85,69 @@ class Stepper:
                 self._outside_waiters -= 1
                 self._cv.notify_all()
 
-
     def wait(self, futures: Sequence[Future], timeout: float | None = None) -> bool:
         """Block until every future is done (True) or `timeout` seconds pass (False). On a CPU the calling thread
         runs the decode steps itself meanwhile and the worker idles: each thread that runs torch ops gets its own
         OpenMP team, and with two teams on a small machine libgomp wakes its threads through the kernel for every
         op (docs/performance.md: 7 -> 70 us per small multiply; decode 1.25x slower, training slower too)."""
-        if self.device.type != "cpu" or threading.current_thread() is self._worker:
+        if not self._drives():
             return not wait(futures, timeout=timeout).not_done
-        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._driving():
+            return self._drive(futures, timeout)
+
+    def _drives(self) -> bool:
+        """Whether the calling thread runs the steps while it waits: on a CPU, and never the worker itself."""
+        return self.device.type == "cpu" and threading.current_thread() is not self._worker
+
+    @contextmanager
+    def _driving(self) -> Iterator[None]:
+        """The worker idles while any caller is inside; on leaving, its grace starts."""
         with self._cv:
             self._drivers += 1
         try:
-            while not all(f.done() for f in futures):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                with self._cv:
-                    if self._closing:
-                        break
-                    if self._outside_waiters or not self._has_work():  # paused, or others' work in flight
-                        self._cv.wait(DRIVER_POLL_S if left is None else min(DRIVER_POLL_S, left))
-                        continue
-                self._step_once()
+            yield
         finally:
             with self._cv:
                 self._drivers -= 1
                 self._handoff = time.monotonic()
                 self._cv.notify_all()
+
+    def _drive(self, futures: Sequence[Future], timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(f.done() for f in futures):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            with self._cv:
+                if self._closing:
+                    break
+                if self._outside_waiters or not self._has_work():  # paused, or others' work in flight
+                    self._cv.wait(DRIVER_POLL_S if left is None else min(DRIVER_POLL_S, left))
+                    continue
+            self._step_once()
         return all(f.done() for f in futures)
 
-
     def _loop(self) -> None:
-        """Steps while nobody drives (`wait`); after a submit or a driver's return it first lets DRIVER_GRACE_S
-        pass, so a caller about to wait (again) takes the steps and the worker never starts a thread team."""
+        """Steps while nobody drives (`wait`); on a CPU, after a submit or a driver's return it first lets
+        DRIVER_GRACE_S pass, so a caller about to wait (again) takes the steps and the worker never starts a thread
+        team (on CUDA callers do not drive: no grace)."""
         while True:
             with self._cv:
                 while not self._closing:
                     if self._outside_waiters or self._drivers or not self._has_work():
                         self._cv.wait()
-                    elif (grace := DRIVER_GRACE_S - (time.monotonic() - self._handoff)) > 0:
+                    elif (grace := self._grace_left()) > 0:
                         self._cv.wait(grace)
                     else:
                         break
                 if self._closing:
                     return
             self._step_once()
+
+    def _grace_left(self) -> float:
+        if self.device.type != "cpu":
+            return 0.0
+        return DRIVER_GRACE_S - (time.monotonic() - self._handoff)
 
     def _step_once(self) -> None:
         """Admit the queued rows that fit and run one step, both under the model lock: with two stepping threads
