@@ -27,8 +27,8 @@ STEPS = 48
 SCALERL = ["algorithm=scalerl", "algorithm.max_staleness=2", "eval.every=4"]  # k=2: 8 rounds ahead is most of a
 # 48-update CPU run. fp32: ScaleRL's recipe computes the LM head in FP32 so that trainer and engine log-probs agree
 # (on CPU the whole model in fp32 does more: engine and trainer log-probs differ by 0.0 on the AMD EPYC, <= 3.1e-6
-# on the Intel Xeon), the claim is about the curve's shape, not the dtype, and fp32 runs at full matmul speed on every CPU kind (a bf16 run
-# is ~5x slower than fp32 where the CPU lacks AVX512-BF16).
+# on the Intel Xeon), the claim is about the curve's shape, not the dtype, and fp32 runs at full matmul speed on
+# every CPU kind (a bf16 run is ~5x slower than fp32 where the CPU lacks AVX512-BF16).
 ARMS = [
     Arm("scalerl", "ScaleRL (CISPO, prompt-mean)", SCALERL, STEPS, save_every=8, dtype="fp32"),
     Arm("scalerl_token_mean", "ScaleRL, token-mean aggregation", [*SCALERL, "algorithm.loss_agg_mode=token-mean"],

@@ -104,10 +104,7 @@ class LocalEngine(Stepper):
         self._init_stepping()
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
-        self.weight_layout = choose_layout(self.model, weight_layout, self.device, torch_dtype)
-        log.log(logging.WARNING if self.weight_layout.measured or weight_layout != "auto" else logging.INFO,
-                "local engine: decode weights stored [%s] (%s)",
-                "in, out" if self.weight_layout.in_major else "out, in", self.weight_layout.why)
+        self.set_weight_layout(weight_layout)
         self.set_fast_decode(fast_decode, fused_forward)
         self._worker.start()
 
@@ -123,12 +120,16 @@ class LocalEngine(Stepper):
         return reason is None
 
     def set_weight_layout(self, layout: str) -> None:
-        """Store the decode step's layer weights [out, in] (`out`) or [in, out] (`in`), or measure again (`auto`):
-        between steps, e.g. to time both layouts in one process (benchmarks/rollout_engine.py)."""
+        """Store the decode step's layer weights [out, in] (`out`) or [in, out] (`in`), or measure which is faster
+        here (`auto`, weight_layout.py): at start, and between steps, e.g. to time both layouts in one process
+        (benchmarks/rollout_engine.py). The choice is logged (a warning where it was measured or forced)."""
         with self._hold_model():
             self.weight_layout = choose_layout(self.model, layout, self.device, self.model.dtype)
             if self._batch.fused is not None:
                 self._batch.fused.set_layout(self.weight_layout.in_major)
+        level = logging.WARNING if self.weight_layout.measured or layout != "auto" else logging.INFO
+        log.log(level, "local engine: decode weights stored [%s] (%s)",
+                "in, out" if self.weight_layout.in_major else "out, in", self.weight_layout.why)
 
     # ------------------------------------------------------------------ protocol
     @property

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EngineStats:
-    """Counters and timings of the worker, so a run (or benchmarks/rollout_engine.py) can set what the engine
-    achieved against the roofline of the batches it actually ran."""
+    """Counters and timings of the engine's steps (whichever thread ran them), so a run (or
+    benchmarks/rollout_engine.py) can set what the engine achieved against the roofline of the batches it ran."""
 
     steps: int = 0
     prefill_tokens: int = 0  # prompt tokens run through the model (a prompt shared by n samples counts once)
