@@ -111,3 +111,18 @@ def test_close_releases_a_waiting_caller(tiny_dir):
     assert time.monotonic() - t0 < 10
     closer.join(timeout=60)
     assert all(f.done() and isinstance(f.exception(), RuntimeError) for f in futures)
+
+
+def test_on_cuda_callers_wait_plainly_and_the_worker_steps_without_grace(tiny_dir, stepping_threads):
+    """The OpenMP-team reason is a CPU one: with the engine's device reported as CUDA (the tiny model stays on
+    the CPU, only the device checks read it), generate and wait leave every step to the worker."""
+    import torch
+
+    with LocalEngine(str(tiny_dir)) as eng:
+        eng.device = torch.device("cuda")
+        assert eng._grace_left() == 0.0
+        driven = eng.generate(_reqs())
+        futures = eng.submit(_reqs(seed=9))
+        assert eng.wait(futures, timeout=60) is True
+    assert stepping_threads and set(stepping_threads) == {"local-rollout-engine"}
+    assert all(len(s.output_ids) == 12 for s in driven)
