@@ -87,6 +87,44 @@ def test_decode_grows_past_a_small_reserve(tiny_model):
     assert tokens == ids[len(PROMPT) :]
 
 
+
+def test_finished_rows_leave_by_tail_rows_moving_into_their_slots(tiny_model):
+    """Five rows decode; rows 0 and 3 finish. The kept rows' K/V stay in place except the tail rows that fill the
+    vacated slots (new order [4, 1, 2]: no other row moves), and every kept row goes on with exactly the logits
+    it would have had without the drop (greedy through the batch = plain full forwards)."""
+    prompts = [PROMPT, [7, 8, 9], [3, 1, 4, 1, 5], [9, 2], [6, 6, 6, 6]]
+    batch = DecodeBatch(tiny_model, tiny_model.config.num_hidden_layers, 0, torch.device("cpu"))
+    with torch.inference_mode():
+        logits, part = batch.prefill(prompts, reserve=12)
+        first = logits.argmax(-1)
+        batch.add(list(range(5)), part, first, reserve=12)
+        outs = {r: [int(first[r])] for r in range(5)}
+        for _ in range(3):
+            tok = batch.decode().argmax(-1)
+            batch.advance(tok)
+            for i, r in enumerate(batch.rows):
+                outs[r].append(int(tok[i]))
+        layer = batch.cache.layers[0]
+        before = layer._kbuf[:, :, : layer._len].clone()
+        storage = layer._kbuf.untyped_storage().data_ptr()
+        batch.keep([1, 2, 4])
+        assert layer._kbuf.untyped_storage().data_ptr() == storage  # moved within the buffer, not copied out
+        assert batch.rows == [4, 1, 2] and batch.cache.layers[0]._kbuf.shape[0] == 3
+        after = layer._kbuf[:, :, : layer._len]
+        lead = before.shape[2] - after.shape[2]  # columns cropped on the left (padding no kept row needs)
+        for new, old in enumerate([4, 1, 2]):
+            assert torch.equal(after[new], before[old, :, lead:])
+        for _ in range(4):
+            tok = batch.decode().argmax(-1)
+            batch.advance(tok)
+            for i, r in enumerate(batch.rows):
+                outs[r].append(int(tok[i]))
+        for r in (1, 2, 4):
+            ids = list(prompts[r])
+            for _ in range(8):
+                ids.append(int(tiny_model(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert outs[r] == ids[len(prompts[r]) :]
+
 @pytest.mark.parametrize("rows", [1, 8, 16, 17, 64])
 def test_cpu_lm_head_equals_the_plain_product(rows):
     gen = torch.Generator().manual_seed(rows)

@@ -178,3 +178,20 @@ def test_skinny_rows_regroup_in_fp32_only(rows):
         with _Calls() as calls:
             linear(x.to(dtype), weight.to(dtype), None)
         assert form in calls.names and ({"mm", "linear"} - {form}).isdisjoint(calls.names), (dtype, calls.names)
+
+
+def test_lm_head_form_follows_the_weight_layout(tiny_dir):
+    """The LM head regroups its CPU products (lm_head.py) with [out, in] layer weights and runs the plain product
+    with [in, out] (where `auto` found the plain skinny GEMMs faster); the logits agree to float rounding."""
+    with LocalEngine(str(tiny_dir), weight_layout="out") as eng:
+        hidden = torch.randn(3, eng.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        head = eng._batch.last_logits
+        forms = {}
+        for layout in ("out", "in"):
+            eng.set_weight_layout(layout)
+            with _Calls() as calls:
+                logits = head.of(hidden)
+            forms[layout] = (calls.names, logits)
+    assert "mm" in forms["out"][0] and "linear" not in forms["out"][0]  # weight @ hidden^T, regrouped
+    assert "linear" in forms["in"][0] and "mm" not in forms["in"][0]
+    assert (forms["out"][1] - forms["in"][1]).abs().max().item() < 1e-5

@@ -19,7 +19,7 @@ import torch
 
 from mcore_rl.rollout.local.decode_forward import DecodeForward, unsupported
 from mcore_rl.rollout.local.kv_cache import KVCache
-from mcore_rl.rollout.local.lm_head import LastLogits, head_logits
+from mcore_rl.rollout.local.lm_head import LastLogits
 
 
 @dataclass
@@ -71,11 +71,18 @@ class DecodeBatch:
             reason = "LM head is not a plain lm_head(hidden)"
         if reason is None and self.fused is None:
             self.fused = DecodeForward(self.model, in_major)
-        elif reason is None:
-            self.fused.set_layout(in_major)
-        else:
+        elif reason is not None:
             self.fused = None
+        self.set_layout(in_major)
         return reason
+
+    def set_layout(self, in_major: bool) -> None:
+        """Layer weights [in, out] (in_major) or [out, in] for the fused forward; the LM head's CPU form goes with
+        them: regrouped with [out, in], the plain product with [in, out] (the machine class `auto` measured,
+        weight_layout.py)."""
+        if self.fused is not None:
+            self.fused.set_layout(in_major)
+        self.last_logits.regroup = not in_major
 
     def refresh_fused(self) -> None:
         if self.fused is not None:
@@ -139,7 +146,7 @@ class DecodeBatch:
         self.mask = self._mask_buf[:, : width + 1]
         if self.fused is not None:
             hidden = self.fused(self.last, self.pos, self.mask, self.cache)
-            return head_logits(hidden, self.last_logits.head.weight)
+            return self.last_logits.of(hidden)
         return self.last_logits(
             input_ids=self.last.unsqueeze(1),
             attention_mask=self.mask,
@@ -152,14 +159,15 @@ class DecodeBatch:
         self.last, self.pos = tokens, self.pos + 1
 
     def keep(self, indices: list[int]) -> None:
-        """Only these rows stay: index-select the cache, then crop columns no remaining row attends to."""
+        """Only these rows stay (kept rows from the tail move into the vacated slots, so the order changes),
+        then crop the columns no remaining row attends to."""
         if len(indices) == len(self.rows):
             return
         if not indices:
             self.reset()
             return
-        idx = torch.tensor(indices, device=self.device)
-        self.cache.select(idx)
+        order = self.cache.drop_rows(indices)  # rows from the tail fill the vacated slots
+        idx = torch.tensor(order, device=self.device)
         self.pos, self.last = self.pos[idx], self.last[idx]
         width = self.mask.shape[1]
         buf = self._mask_buf[idx]
@@ -167,4 +175,4 @@ class DecodeBatch:
         if lead > 0:
             self.cache.crop_left(lead)
         self._mask_buf, self.mask = buf[:, lead:], buf[:, lead:width]
-        self.rows = [self.rows[i] for i in indices]
+        self.rows = [self.rows[i] for i in order]

@@ -125,8 +125,7 @@ class LocalEngine(Stepper):
         (benchmarks/rollout_engine.py). The choice is logged (a warning where it was measured or forced)."""
         with self._hold_model():
             self.weight_layout = choose_layout(self.model, layout, self.device, self.model.dtype)
-            if self._batch.fused is not None:
-                self._batch.fused.set_layout(self.weight_layout.in_major)
+            self._batch.set_layout(self.weight_layout.in_major)
         level = logging.WARNING if self.weight_layout.measured or layout != "auto" else logging.INFO
         log.log(level, "local engine: decode weights stored [%s] (%s)",
                 "in, out" if self.weight_layout.in_major else "out, in", self.weight_layout.why)

@@ -5,7 +5,10 @@ Why not the model's own `lm_head(hidden)`: the head is the largest matrix of a s
 `x @ W^T` is far from the matmul rate. Measured on a 2-core AMD EPYC (1 thread, fp32, CPU time per call): with 8
 rows, `W @ x^T` (stream W once, GEMV-like) 14.9 ms vs 24.5 ms; with 64 rows, column blocks of 1024 vocab entries
 written into one output 54.6 ms vs 70.8 ms. Same products, regrouped: the logits agree to float rounding.
-In bf16 and on CUDA the plain product is used. Models whose logits are anything but `lm_head(hidden)` (scaled,
+In bf16 and on CUDA the plain product is used. On a CPU whose decode weights are stored [in, out]
+(weight_layout.py: where `auto` measured that family of skinny GEMMs faster) the head is the plain product too:
+on the Intel Xeon without bf16 (2 threads, fp32, caches evicted between calls) plain `x @ W^T` took 8.8 / 9.1 /
+12.0 / 19.9 ms at 4 / 16 / 36 / 64 rows against 11.1 / 11.8 / 13.4 / 20.9 regrouped. Models whose logits are anything but `lm_head(hidden)` (scaled,
 soft-capped) are not listed in PLAIN_HEAD_MODELS and keep the model's own forward.
 """
 
@@ -37,17 +40,21 @@ class LastLogits:
             and hasattr(model, "model")
         )
         self.head = head if plain else None  # the module, not its weight: weight updates copy in place
+        self.regroup = True  # the CPU forms below (fp32); False: the plain product (weight_layout.py decides)
 
     def __call__(self, **kwargs) -> torch.Tensor:
         if self.head is None:
             return self.model(**kwargs, logits_to_keep=1).logits[:, -1]
-        hidden = self.model.model(**kwargs).last_hidden_state[:, -1]
-        return head_logits(hidden, self.head.weight)
+        return self.of(self.model.model(**kwargs).last_hidden_state[:, -1])
+
+    def of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states [B, H] (a plain head only)."""
+        return head_logits(hidden, self.head.weight, self.regroup)
 
 
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden [B, H] @ weight [V, H]^T, grouped for the CPU GEMM (see the module docstring)."""
-    if hidden.device.type != "cpu" or hidden.dtype not in REGROUP_DTYPES:
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, regroup: bool = True) -> torch.Tensor:
+    """hidden [B, H] @ weight [V, H]^T, grouped for the CPU GEMM where `regroup` (see the module docstring)."""
+    if not regroup or hidden.device.type != "cpu" or hidden.dtype not in REGROUP_DTYPES:
         return torch.nn.functional.linear(hidden, weight)
     rows, vocab = hidden.shape[0], weight.shape[0]
     if rows <= SKINNY_ROWS:

@@ -14,7 +14,9 @@ Xeon (AVX-512, MKL, fp32, 1 thread, SmolLM2's 30 layers' q/k/v, o, gate/up and d
 On the AMD EPYC the `W @ x^T` form was tuned on, it halves the 1-4 row cost and oneDNN's prepacked weights (which
 run like `x @ W_t` on the Intel CPU) were within 5% of `F.linear`. No fixed rule is right on both, so the engine
 times one layer's GEMMs in both layouts at start (~50 ms) and stores the weights [in, out] only where that is
-clearly faster (MIN_SPEEDUP), for fp32 on a CPU and a model wide enough for the timing to mean something.
+clearly faster (MIN_SPEEDUP), for fp32 on a CPU and a model wide enough for the timing to mean something. The
+LM head's CPU form goes with the choice (lm_head.py): its regrouped products were tuned with the `W @ x^T` rule on
+the AMD EPYC and lose to the plain product where [in, out] wins (on the Intel Xeon at 2 threads: 1.05-1.3x).
 
 The [in, out] layout costs no memory: the HF parameters become transposed views of the [in, out] buffers (q/k/v
 and gate/up as column slices of one buffer per layer), so the model's own forward (prefill, the HF decode path)
