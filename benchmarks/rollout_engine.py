@@ -14,7 +14,9 @@ after each workload's runs; the roofline uses the best of the measurements); the
   the fraction reached;
 - end-to-end generated tokens/s (prefill included) of the engine and of `transformers.generate` on the same
   model object, prompts, samples (`num_return_sequences`) and sampling (temperature, no top-k/top-p), and the
-  ratio. HF and engine runs alternate so machine noise hits both alike; best of --repeats each.
+  ratio (best against best, and the median over the alternated pairs: under `eos` a run's tokens/s moves with
+  how many tokens its samples drew before EOS). HF and engine runs alternate so machine noise hits both alike;
+  best of --repeats each.
 On a CPU every rate is also given per process CPU-second (steadier when other jobs share the cores); tokens
 counted up to and including EOS. On CUDA every timing is bracketed by `torch.cuda.synchronize`.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -142,23 +145,26 @@ def bench_dtype(args, path: str, dtype: str, mm: Rate, bw: Rate, device: torch.d
             mm_after, bw_after = measure_machine(device, [dtype], " (again, after the runs)")
             mm, bw = best_rate(mm, mm_after[dtype]), best_rate(bw, bw_after)
             print(f"roofline rates: the best of both, {mm.wall:.1f} GFLOP/s and {bw.wall:.1f} GB/s")
-            for fwd, (decode, best) in per_forward.items():
+            for fwd, (decode, best, pairs) in per_forward.items():
                 report(dtype, workload, fwd, DecodeCost.of(model), decode, best, hf_best, mm, bw, device)
+                print(f"RESULT [{dtype} {workload} {fwd}] end-to-end per alternated pair (HF run, engine run): median "
+                      f"{statistics.median(pairs):.2f}x, {min(pairs):.2f}-{max(pairs):.2f}x over {len(pairs)}")
     finally:
         engine.close()
 
 
 def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str) -> tuple[dict, tuple]:
     """Alternate HF and engine runs (the engine once per decode forward of --forwards). Returns per forward the
-    engine's fastest decode (tok/s, tok/CPU-s, its steps as (rows, kv_len)) and best end-to-end (tok/s,
-    tok/CPU-s), and transformers' best end-to-end."""
+    engine's fastest decode (tok/s, tok/CPU-s, its steps as (rows, kv_len)), best end-to-end (tok/s,
+    tok/CPU-s) and end-to-end ratio to the HF run of the same repeat (one per repeat), and transformers' best
+    end-to-end."""
     fixed, model, device = workload == "fixed", engine.model, engine.device
     hf_args = (model, prompts, args.n, args.new_tokens, args.temperature, eos, fixed)
     en_args = (engine, prompts, args.n, args.new_tokens, args.temperature, fixed)
     forwards = args.forwards.split(",")
     chosen = engine.weight_layout.name  # `fused` and `hf` run on the layout the engine chose at start
     layouts = {"fused": chosen, "hf": chosen, "fused-out": "out", "fused-in": "in"}
-    hf_best, out = (0.0, 0.0), {f: ((0.0, 0.0, []), (0.0, 0.0)) for f in forwards}
+    hf_best, out = (0.0, 0.0), {f: ((0.0, 0.0, []), (0.0, 0.0), []) for f in forwards}
     for r in range(args.repeats):
         hf_n, hf_dt, hf_dc = timed(run_hf, device, *hf_args)
         hf_best = max(hf_best[0], hf_n / hf_dt), max(hf_best[1], hf_n / hf_dc)
@@ -177,11 +183,11 @@ def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str)
                 f"{en_n} tok in {en_dt:.2f} s ({en_n / en_dc:.1f} tok/CPU-s), decode {d_tok} tok in {d_s:.2f} s "
                 f"({d_cpu:.2f} CPU-s) over {len(steps)} steps"
             )
-            decode, best = out[fwd]
+            decode, best, pairs = out[fwd]
             best = max(best[0], en_n / en_dt), max(best[1], en_n / en_dc)
             if d_tok / d_s > decode[0]:
                 decode = (d_tok / d_s, d_tok / max(d_cpu, 1e-9), steps)
-            out[fwd] = decode, best
+            out[fwd] = decode, best, [*pairs, (en_n / en_dt) / (hf_n / hf_dt)]
     return out, hf_best
 
 
