@@ -8,8 +8,9 @@ written into one output 54.6 ms vs 70.8 ms. Same products, regrouped: the logits
 In bf16 and on CUDA the plain product is used. On a CPU whose decode weights are stored [in, out]
 (weight_layout.py: where `auto` measured that family of skinny GEMMs faster) the head is the plain product too:
 on the Intel Xeon without bf16 (2 threads, fp32, caches evicted between calls) plain `x @ W^T` took 8.8 / 9.1 /
-12.0 / 19.9 ms at 4 / 16 / 36 / 64 rows against 11.1 / 11.8 / 13.4 / 20.9 regrouped. Models whose logits are anything but `lm_head(hidden)` (scaled,
-soft-capped) are not listed in PLAIN_HEAD_MODELS and keep the model's own forward.
+12.0 / 19.9 ms at 4 / 16 / 36 / 64 rows against 11.1 / 11.8 / 13.4 / 20.9 regrouped
+(`benchmarks/decode_gemms.py --streamed` times both). Models whose logits are anything but `lm_head(hidden)`
+(scaled, soft-capped) are not listed in PLAIN_HEAD_MODELS and keep the model's own forward.
 """
 
 from __future__ import annotations
