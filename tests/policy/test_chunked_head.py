@@ -29,6 +29,9 @@ def _head_case(seed: int = 0):
     )
 
 
+ULPS2 = 2 * torch.finfo(torch.float32).eps  # two fp32 ulps, relative
+
+
 def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
     return ((ref - got).abs().max() / ref.abs().max()).item()
 
@@ -49,13 +52,15 @@ def test_chunked_equals_unchunked_forward_and_backward(temperature, with_entropy
         grads.append((lp.detach(), ent, hh.grad, ww.grad))
     (lp0, ent0, gh0, gw0), (lp1, ent1, gh1, gw1) = grads
     assert lp0.min().item() < -4.0  # spread-out distributions: the comparison has teeth
-    assert (lp0 - lp1).abs().max().item() <= 1e-6
+    # log-probs down to ~-18 and entropies: the two paths sum in another order, and which order a CPU's kernels
+    # take differs (AVX2 kernels: 1.9e-6 apart at |log p| ~ 16, where one fp32 ulp is 1.9e-6): 2 ulps
+    assert (lp0 - lp1).abs().max().item() <= ULPS2 * max(1.0, lp0.abs().max().item())
     # gradients: sums over tokens in another order (per chunk), so 1e-6 relative to their largest entry
     assert _rel(gh0, gh1) <= 1e-6 and gh0.abs().max().item() > 0.5
     assert _rel(gw0, gw1) <= 1e-6 and gw0.abs().max().item() > 0.5
     assert gw1[97:].abs().max().item() == 0.0  # TP-padding rows get no gradient
     if with_entropy:
-        assert (ent0 - ent1.detach()).abs().max().item() <= 1e-6
+        assert (ent0 - ent1.detach()).abs().max().item() <= ULPS2 * max(1.0, lp0.abs().max().item())
     else:
         assert ent1 is None
 

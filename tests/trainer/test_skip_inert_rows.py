@@ -121,8 +121,14 @@ def test_which_rows_each_algorithm_may_skip(name, over, expect):
 
 def test_cli_runs_with_and_without_skipping_train_alike(tmp_path):
     """The main job's algorithm (GRPO, engine anchor, no KL) on the tiny task, 3 updates, through the CLI with the
-    default `trainer.skip_inert_rows=true` and with `false`: every update's loss and gradient norm agree, the
-    rollouts are the same, and the skipping run trained exactly the rows of groups whose rewards varied."""
+    default `trainer.skip_inert_rows=true` and with `false`: the first update (same weights, same rollouts, a
+    quarter of the groups inert) has the same loss and gradient norm, and in every update the skipping run trained
+    exactly the rows of groups whose rewards varied.
+
+    Why only the first update is compared across the runs: their micro-batches differ in shape, so from update 2 on
+    their weights differ by rounding, which Adam scales up and which can flip a sampled token, so the rollouts
+    themselves may part. With AVX2 kernels (`scripts/as_avx2.sh`) the grad norms were 7.7e-5 apart at update 2 and
+    4.8% at update 3, with AVX-512 kernels 1e-7 throughout: a property of the CPU's rounding, not of skipping."""
     import json
 
     from tests.conftest import run_train_batch
@@ -132,10 +138,8 @@ def test_cli_runs_with_and_without_skipping_train_alike(tmp_path):
             "trainer.max_new_tokens=8", "trainer.deterministic=true", "trainer.export_hf=false", "eval.num_prompts=2",
             "eval.samples_per_prompt=1", "eval.max_new_tokens=2",
             "logging.progress=false", "logging.plot=false", "logging.tensorboard=false", "optim.lr=1e-3",
-            # Adam moves a parameter whose gradient is rounding noise (~1e-7) by a full +-lr at eps=1e-8; the two
-            # runs' micro-batches differ in shape, so their noise differs and from update 2 the weights part by ~lr
-            # (grad norms 1e-3 apart on an Intel AVX-512 CPU, equal on an AMD EPYC by chance). eps=1e-4 shrinks
-            # noise-sized steps 1000x and leaves the comparison to what skipping changes (update 1 agrees at 1e-8 too)
+            # Adam moves a parameter whose gradient is rounding noise (~1e-7) by a full +-lr at eps=1e-8: eps=1e-4
+            # shrinks such noise-sized steps 1000x, so the runs stay close for longer (see the docstring)
             "optim.adam_eps=1e-4"]  # fmt: skip
     runs = {"skip": [*base, f"run.dir={tmp_path / 'skip'}"],
             "full": [*base, "trainer.skip_inert_rows=false", f"run.dir={tmp_path / 'full'}"]}  # fmt: skip
@@ -143,15 +147,15 @@ def test_cli_runs_with_and_without_skipping_train_alike(tmp_path):
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     recs = {k: [json.loads(x) for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()] for k in runs}
     assert [r["step"] for r in recs["skip"]] == [r["step"] for r in recs["full"]] == [1, 2, 3]
+    s, f = recs["skip"][0], recs["full"][0]
+    assert 0 < s["adv_zero_variance_group_frac"] < 1 and s["trained_rows_frac"] < 1.0  # rows skipped in update 1
+    assert s["reward_mean"] == f["reward_mean"]  # the same rollouts
+    assert abs(s["grad_norm"] - f["grad_norm"]) <= 1e-5 * f["grad_norm"], (s["grad_norm"], f["grad_norm"])
+    assert abs(s["loss"] - f["loss"]) <= 1e-6 + 1e-5 * abs(f["loss"])
     for s, f in zip(recs["skip"], recs["full"]):
-        assert s["reward_mean"] == f["reward_mean"]  # the same rollouts: the weights agree to rounding
-        assert abs(s["grad_norm"] - f["grad_norm"]) <= 1e-5 * f["grad_norm"], (s["grad_norm"], f["grad_norm"])
-        assert abs(s["loss"] - f["loss"]) <= 1e-6 + 1e-5 * abs(f["loss"])
         assert f["trained_rows_frac"] == 1.0
         zero_var = s["adv_zero_variance_group_frac"]  # groups of 4 with all-equal rewards: advantage 0
         assert s["trained_rows_frac"] == pytest.approx(max(1.0 - zero_var, 1 / 32))
-    assert sum(r["adv_zero_variance_group_frac"] for r in recs["skip"]) > 0  # rows really were skipped
-    assert any(0 < r["adv_zero_variance_group_frac"] < 1 and r["grad_norm"] > 0 for r in recs["skip"])
     # the end-of-run speed summary counts the tokens each run really trained
     train = {k: json.loads((tmp_path / k / "summary.jsonl").read_text().splitlines()[-1])["phases"]["train"]
              for k in runs}  # fmt: skip
