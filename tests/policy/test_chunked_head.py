@@ -66,8 +66,9 @@ def test_chunked_equals_unchunked_forward_and_backward(temperature, with_entropy
 
 
 def test_compiled_chunk_kernels_equal_eager(monkeypatch):
-    """The compiled per-chunk kernels (used for real vocabularies, fp32 too) against the eager ones: 1e-6. They
-    must have run compiled, or fallen back visibly where inductor has no C++ compiler."""
+    """The compiled per-chunk kernels (used for real vocabularies, fp32 too) against the eager ones: 2 fp32 ulps of
+    the log-probs' scale, gradients 1e-6 relative. They must have run compiled, or fallen back visibly where
+    inductor has no C++ compiler."""
     from mcore_rl.compat import fused_ops
     from mcore_rl.policy import chunked_head
 
@@ -89,7 +90,8 @@ def test_compiled_chunk_kernels_equal_eager(monkeypatch):
     assert ran0 == {"_chunk_stats": 0, "_chunk_grad": 0}
     fell_back = fused_ops.fallbacks()
     assert all(ran1[k] == 3 or k in fell_back for k in ran1), (ran1, fell_back)  # 3 chunks each
-    assert (lp0 - lp1).abs().max().item() <= 1e-6 and (e0 - e1).abs().max().item() <= 1e-6
+    tol = ULPS2 * max(1.0, lp0.abs().max().item())  # per-ISA kernels sum in their own order (see above)
+    assert (lp0 - lp1).abs().max().item() <= tol and (e0 - e1).abs().max().item() <= tol
     assert _rel(gh0, gh1) <= 1e-6 and _rel(gw0, gw1) <= 1e-6
 
 
@@ -122,8 +124,9 @@ def policy(tiny_llama_dir):
 
 @pytest.mark.multiproc
 def test_policy_chunked_head_matches_unchunked_and_keeps_no_logits(policy):
-    """Through Megatron's schedule: log-probs, entropy and every parameter's gradient within 1e-6 (fp32); the
-    unchunked path saves a [scored tokens, vocab] tensor for backward, the chunked one nothing that large."""
+    """Through Megatron's schedule: log-probs within 2 fp32 ulps of their scale, every parameter's gradient 1e-6
+    relative (fp32); the unchunked path saves a [scored tokens, vocab] tensor for backward, the chunked one nothing
+    that large."""
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 512, (6, 20), generator=g)
     mask = torch.zeros(6, 20)
@@ -156,7 +159,7 @@ def test_policy_chunked_head_matches_unchunked_and_keeps_no_logits(policy):
         results.append((logp, grads, [sh for sh in shapes if len(sh) >= 2 and sh[-1] == vocab]))
     (lp0, g0, logits0), (lp1, g1, logits1) = results
     assert len(policy.micro_batches(batch)) == 2 and lp0.min().item() < -3.0
-    assert (lp0 - lp1).abs().max().item() <= 1e-6
+    assert (lp0 - lp1).abs().max().item() <= ULPS2 * max(1.0, lp0.abs().max().item())
     assert _rel(g0, g1) <= 1e-6 and g0.abs().max().item() > 1e-2
     # saved for backward with the vocabulary as last dim: the unchunked head keeps each micro-batch's logits
     # ([scored, 1, V] and the log-softmax's fp32 copies), the chunked one only per-token statistics
