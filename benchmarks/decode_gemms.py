@@ -35,7 +35,7 @@ SHAPES = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]
 LAYERS, VOCAB = 30, 49152
 
 
-def _best_ms(fn, before=None, repeats: int = 7) -> float:
+def best_ms(fn, before=None, repeats: int = 7) -> float:
     """Best-of wall-clock ms of fn(); `before` (untimed) runs ahead of every call."""
     fn()
     best = float("inf")
@@ -66,10 +66,10 @@ def streamed(dtype: torch.dtype, rows_list: list[int], peak: float) -> None:
     for rows in rows_list:
         xs = {i: torch.randn(rows, i, dtype=dtype) for _, i in SHAPES}
         flop = 2 * rows * (LAYERS * sum(o * i for o, i in SHAPES) + VOCAB * 576)
-        t_out = _best_ms(lambda: _step(xs, layers, head, False))  # noqa: B023 (called before xs changes)
-        t_in = _best_ms(lambda: _step(xs, layers_t, head, True))  # noqa: B023
-        h_re = _best_ms(lambda: head_logits(xs[576], head, regroup=True), flush.sum)  # noqa: B023
-        h_plain = _best_ms(lambda: F.linear(xs[576], head), flush.sum)  # noqa: B023
+        t_out = best_ms(lambda: _step(xs, layers, head, False))  # noqa: B023 (called before xs changes)
+        t_in = best_ms(lambda: _step(xs, layers_t, head, True))  # noqa: B023
+        h_re = best_ms(lambda: head_logits(xs[576], head, regroup=True), flush.sum)  # noqa: B023
+        h_plain = best_ms(lambda: F.linear(xs[576], head), flush.sum)  # noqa: B023
         print(f"  rows {rows:4d}: step [out, in] {t_out:6.1f} ms ({flop / t_out / 1e6:6.1f} GFLOP/s), [in, out] "
               f"{t_in:6.1f} ms ({flop / t_in / 1e6:6.1f} GFLOP/s = {100 * flop / t_in / 1e6 / peak:4.1f}% of "
               f"torch.mm); LM head regrouped {h_re:5.1f} ms, plain {h_plain:5.1f} ms")  # fmt: skip

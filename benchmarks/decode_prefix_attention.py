@@ -14,10 +14,10 @@ agree. CPU only.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+from decode_gemms import best_ms  # benchmarks/decode_gemms.py (sys.path[0] is this folder)
 
 LAYERS, KV_HEADS, Q_PER_KV, HEAD_DIM, SCALE = 30, 3, 3, 64, 0.125
 flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -42,16 +42,6 @@ def shared(q, prefix, suffix, groups: int, n: int) -> list[torch.Tensor]:
         w_p, w_s = (lse_p - top).exp_(), (lse_s - top).exp_()
         out.append((o_p * w_p + o_s * w_s) / (w_p + w_s))
     return out
-
-
-def best_ms(fn, repeats: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def main() -> None:

@@ -146,9 +146,7 @@ def bench_dtype(args, path: str, dtype: str, mm: Rate, bw: Rate, device: torch.d
             mm, bw = best_rate(mm, mm_after[dtype]), best_rate(bw, bw_after)
             print(f"roofline rates: the best of both, {mm.wall:.1f} GFLOP/s and {bw.wall:.1f} GB/s")
             for fwd, (decode, best, pairs) in per_forward.items():
-                report(dtype, workload, fwd, DecodeCost.of(model), decode, best, hf_best, mm, bw, device)
-                print(f"RESULT [{dtype} {workload} {fwd}] end-to-end per alternated pair (HF run, engine run): median "
-                      f"{statistics.median(pairs):.2f}x, {min(pairs):.2f}-{max(pairs):.2f}x over {len(pairs)}")
+                report(dtype, workload, fwd, DecodeCost.of(model), decode, best, hf_best, pairs, mm, bw, device)
     finally:
         engine.close()
 
@@ -191,7 +189,7 @@ def measure_workload(args, engine, prompts, eos: int, workload: str, dtype: str)
     return out, hf_best
 
 
-def report(dtype, workload, fwd, cost, decode, best, hf_best, mm: Rate, bw: Rate, device) -> None:
+def report(dtype, workload, fwd, cost, decode, best, hf_best, pairs, mm: Rate, bw: Rate, device) -> None:
     rate, cpu_rate, steps = decode
     roof = decode_roofline(cost, steps, mm.wall, bw.wall)
     bound = "compute" if roof.compute_s >= roof.memory_s else "weight+KV streaming"
@@ -213,6 +211,8 @@ def report(dtype, workload, fwd, cost, decode, best, hf_best, mm: Rate, bw: Rate
         f"RESULT {tag} end-to-end: engine {ew:.1f} tok/s vs transformers.generate {hw:.1f} tok/s = {ew / hw:.2f}x"
         + (f"  (per CPU-s {ec:.1f} vs {hc:.1f} = {ec / hc:.2f}x)" if device.type == "cpu" else "")
     )
+    print(f"RESULT {tag} end-to-end per alternated pair (HF run, engine run): median {statistics.median(pairs):.2f}x, "
+          f"{min(pairs):.2f}-{max(pairs):.2f}x over {len(pairs)}")  # fmt: skip
 
 
 def main() -> None:

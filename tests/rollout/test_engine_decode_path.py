@@ -87,7 +87,6 @@ def test_decode_grows_past_a_small_reserve(tiny_model):
     assert tokens == ids[len(PROMPT) :]
 
 
-
 def test_finished_rows_leave_by_tail_rows_moving_into_their_slots(tiny_model):
     """Five rows decode; rows 0 and 3 finish. The kept rows' K/V stay in place except the tail rows that fill the
     vacated slots (new order [4, 1, 2]: no other row moves), and every kept row goes on with exactly the logits
@@ -124,6 +123,7 @@ def test_finished_rows_leave_by_tail_rows_moving_into_their_slots(tiny_model):
             for _ in range(8):
                 ids.append(int(tiny_model(torch.tensor([ids])).logits[0, -1].argmax()))
             assert outs[r] == ids[len(prompts[r]) :]
+
 
 @pytest.mark.parametrize("rows", [1, 8, 16, 17, 64])
 def test_cpu_lm_head_equals_the_plain_product(rows):

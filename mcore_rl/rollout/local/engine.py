@@ -2,8 +2,8 @@
 
 One stepping thread at a time owns the model and runs a continuous batch (the worker, or a caller blocked in
 `wait`: stepping.py): requests submitted from any thread queue up and join the running batch between decode
-steps (their prompts are prefilled and merged into the KV cache), rows that finish leave it at once
-(index-select), and all-padding columns are cropped, so later steps get cheaper.
+steps (their prompts are prefilled and merged into the KV cache), rows that finish leave it at once (a row from
+the tail takes the slot), and all-padding columns are cropped, so later steps get cheaper.
 Aborts, pauses and weight updates from other threads take effect between decode steps; every token records the
 weight version that produced it.
 """
