@@ -13,7 +13,6 @@ be regenerated from committed files (`--report-only`).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -77,8 +76,8 @@ class Arm:
     extra: dict = field(default_factory=dict)
     max_seeds: int | None = None  # a measurement run (e.g. an audit), not a comparison: the first N seeds only
     # model.dtype of every seed. bf16 by default: what GPU users train in, and its train-inference mismatch is what
-    # the Train-Infer Mask and the exact old-logit sources exist for. A bf16 arm needs a CPU with bf16 matmuls
-    # (AVX512-BF16 or AMX); elsewhere the queue leaves it for another machine (`runs_here`).
+    # the Train-Infer Mask and the exact old-logit sources exist for. On a CPU without bf16 matrix hardware the
+    # trainer runs the same bf16 products through fp32 GEMMs (`model.bf16_matmul=auto`, compat/bf16_matmul.py).
     dtype: str = "bf16"
 
     def command(self, run_dir: Path, seed: int, steps: int | None = None) -> list[str]:
@@ -302,34 +301,6 @@ def gpu_arm(arm: Arm, model_dir: str) -> Arm:
     return replace(arm, overrides=[*arm.overrides, *GPU_OVERRIDES, f"model.hf_path={model_dir}"], dtype="bf16")
 
 
-def runs_here(arm: Arm, rates=None) -> str | None:
-    """Why this machine should not train `arm` (None: it should). A bf16 arm on a CPU whose bf16 `torch.mm` is
-    slower than fp32 (AVX2-only: ~100x slower; AVX-512 without AVX512-BF16: ~5x) would take hours per run and load
-    the machine for nothing: such runs wait for a machine with bf16 matmuls. `rates`: precision.MatmulRates (measured
-    once per process when not given)."""
-    if arm.dtype != "bf16" or _cuda():
-        return None
-    rates = rates or _matmul_rates()
-    if rates.bf16_gflops >= rates.fp32_gflops:
-        return None
-    return (f"bf16 arm, and this CPU's bf16 torch.mm runs at {rates.bf16_gflops:.0f} GFLOP/s against fp32's "
-            f"{rates.fp32_gflops:.0f}: left for a CPU with AVX512-BF16 or AMX (or a GPU)")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-@functools.cache
-def _matmul_rates():
-    """Measured once per queue process (~1 s): every arm of the process gets the same answer."""
-    from mcore_rl.policy.precision import measure_matmul_rates
-
-    return measure_matmul_rates()
-
-
 def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tuple[str, ...],
               report, headline: tuple[str, ...] = ()) -> None:
     """The CLI every arms experiment shares: every (seed, arm) run in queue order (plan.plan: seeds outer), each
@@ -364,10 +335,8 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
             cap = by_name[job.arm].max_seeds
             if cap is not None and job.seed not in seeds[:cap]:
                 continue
-            why_not = None if job.action == "skip" else runs_here(by_name[job.arm])
-            if args.dry_run or why_not:
-                print(f"seed {job.seed} {job.arm}: " + (f"not here ({why_not})" if why_not else
-                                                         f"{job.action} ({job.reason})"), flush=True)
+            if args.dry_run:
+                print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason})", flush=True)
                 continue
             run_arm(exp, by_name[job.arm], job.seed, exp_dir=exp_dir)
             collect(exp_dir, exp, by_name[job.arm], job.seed, train_keys)

@@ -91,6 +91,9 @@ class ModelConfig:
     transformer_impl: str = "auto"  # auto (TE when installed + CUDA) | local | transformer_engine
     recompute_activations: bool = False
     lm_head_fp32: bool = False      # bf16: LM head in fp32 (ScaleRL; smaller train/rollout mismatch)
+    # bf16 on a CPU without bf16 matrix hardware: auto (fp32 GEMMs of the bf16 operands where torch's native bf16
+    # matmul is slower, measured) | fp32 (always) | native (torch's bf16 kernels); compat/bf16_matmul.py
+    bf16_matmul: str = "auto"
     # bf16/fp16 element-wise ops in the trainer: auto (compiled on CPU, eager on CUDA: measured faster each) | true
     # (torch.compile'd) | false (eager)
     compile: str = "auto"
@@ -104,6 +107,7 @@ class ModelConfig:
         one_of("model.source", self.source, MODEL_SOURCES)
         one_of("model.dtype", self.dtype, DTYPES)
         one_of("model.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        one_of("model.bf16_matmul", self.bf16_matmul, ("auto", "native", "fp32"))
         self.compile = str(self.compile).lower()  # a bare `model.compile=false` arrives as the string "False"
         one_of("model.compile", self.compile, ("auto", "true", "false"))
         if self.source == "hf" and not self.hf_path:

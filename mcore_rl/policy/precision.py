@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -109,13 +110,17 @@ def roofline_gflops(dtype: str) -> float:
     """`torch.mm` GFLOP/s of `dtype` (fp32 / bf16 / fp16) on this machine: what `auto` measured at start-up, else
     measured now (best of 3, ~0.3 s in a fast dtype) and kept. The end-of-run speed summary divides achieved
     FLOP/s by it."""
-    if _RATES is not None and dtype in ("fp32", "bf16"):
+    from mcore_rl.compat import bf16_matmul
+
+    emulated = dtype == "bf16" and bf16_matmul.enabled()  # the rate of the products this process really runs
+    if _RATES is not None and dtype in ("fp32", "bf16") and not emulated:
         return _RATES.fp32_gflops if dtype == "fp32" else _RATES.bf16_gflops
-    if dtype not in _MEASURED:
+    key = "bf16-fp32-gemm" if emulated else dtype
+    if key not in _MEASURED:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        _MEASURED[dtype] = max(matmul_gflops(tdt, device=device) for _ in range(3))
-    return _MEASURED[dtype]
+        _MEASURED[key] = max(matmul_gflops(tdt, device=device) for _ in range(3))
+    return _MEASURED[key]
 
 
 _MEASURED: dict[str, float] = {}
@@ -138,6 +143,37 @@ def _decide_auto() -> str:
                     AUTO_MIN_SPEEDUP)
     choice = broadcast(choice, src=0)  # every rank trains in rank 0's choice
     return "bf16" if choice.item() > 0 else "fp32"
+
+
+BF16_MATMUL_CHOICES = ("auto", "native", "fp32")
+
+
+def configure_bf16_matmul(mode: str, dtypes: Iterable[str]) -> bool:
+    """Whether this process's bf16 CPU matrix products run through fp32 GEMMs (compat/bf16_matmul.py: the same
+    bf16 arithmetic at fp32 speed where the CPU has no bf16 matrix hardware). `mode`: `native` (torch's bf16
+    kernels), `fp32` (always, on CPU), `auto` (where native bf16 `torch.mm` is slower than fp32, measured: the
+    start-up probe of `model.dtype=auto` when it ran, else now). Only when a bf16 model runs here (`dtypes`: the
+    trainer's and the engine's). Returns True when enabled; logged either way a bf16 model runs on CPU."""
+    from mcore_rl.compat import bf16_matmul
+
+    if mode not in BF16_MATMUL_CHOICES:
+        raise ValueError(f"model.bf16_matmul={mode!r}: expected one of {list(BF16_MATMUL_CHOICES)}")
+    bf16_matmul.disable()  # decided afresh (and measured on torch's own kernels)
+    if not {"bf16", "bfloat16"} & set(dtypes) or torch.cuda.is_available():
+        return False
+    why = "model.bf16_matmul=fp32"
+    if mode == "auto":
+        rates = _RATES or measure_matmul_rates()
+        why = f"native bf16 torch.mm {rates.bf16_gflops:.0f} GFLOP/s, fp32 {rates.fp32_gflops:.0f}"
+        if rates.bf16_gflops >= rates.fp32_gflops:
+            log.warning("bf16 matmuls: torch's native kernels (%s)", why)
+            return False
+    if mode == "native":
+        log.warning("bf16 matmuls: torch's native kernels (model.bf16_matmul=native)")
+        return False
+    bf16_matmul.enable()
+    log.warning("bf16 matmuls: bf16 operands, fp32 GEMM, result rounded to bf16 (%s; compat/bf16_matmul.py)", why)
+    return True
 
 
 def engine_dtype(rollout_dtype: str | None, train_dtype: str) -> str:

@@ -21,7 +21,7 @@ from mcore_rl.config import MainConfig, TrainerConfig
 from mcore_rl.config.trainer import resolve_deterministic
 from mcore_rl.distributed import broadcast_object, describe_groups, init_distributed
 from mcore_rl.policy.policy import Policy
-from mcore_rl.policy.precision import resolve_dtype
+from mcore_rl.policy.precision import configure_bf16_matmul, engine_dtype, resolve_dtype
 from mcore_rl.trainer.checkpointer import Checkpointer
 from mcore_rl.trainer.heldout import Evaluator
 from mcore_rl.trainer.learner import Learner
@@ -149,6 +149,7 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
     sched_cls = schedule_class(cfg.algorithm.schedule)
     data = _prompt_source(cfg, model_dir) if lay.rank == 0 else None  # before the model: data errors fail fast
     dtype = resolve_dtype(cfg.model.dtype)  # auto -> measured once; every part below gets the resolved value
+    configure_bf16_matmul(cfg.model.bf16_matmul, {dtype, engine_dtype(getattr(cfg.rollout, "dtype", None), dtype)})
     p = _Parts(*load_policies(cfg, model_dir, dtype, algorithm), engine=None, reward_fn=None, data=data, compute=None)
     if cfg.env is not None and lay.rank != 0:
         from mcore_rl.trainer.episodes import build_env

@@ -361,24 +361,6 @@ def test_every_arm_composes_and_validates(gpu):
             assert cfg.trainer.prompts_per_update == 32 and cfg.data.options.max_terms == 5  # the profile wins
 
 
-def test_bf16_arms_wait_for_a_cpu_with_bf16_matmuls(monkeypatch):
-    """On a CPU whose bf16 torch.mm is slower than fp32 (AVX2-only, or AVX-512 without AVX512-BF16) the queue leaves
-    bf16 arms for another machine and still runs fp32 arms; with fast bf16 it runs both."""
-    import common
-
-    from mcore_rl.policy.precision import MatmulRates
-
-    monkeypatch.setattr(common, "_cuda", lambda: False)
-    bf16, fp32 = common.Arm("a", "A", [], steps=2), common.Arm("b", "B", [], steps=2, dtype="fp32")
-    slow = MatmulRates(fp32_gflops=296.0, bf16_gflops=60.0)  # an AVX-512 Xeon without AVX512-BF16, measured
-    why = common.runs_here(bf16, slow)
-    assert "60 GFLOP/s against fp32's 296" in why and common.runs_here(fp32, slow) is None
-    fast = MatmulRates(fp32_gflops=188.0, bf16_gflops=410.0)
-    assert common.runs_here(bf16, fast) is None and common.runs_here(fp32, fast) is None
-    monkeypatch.setattr(common, "_cuda", lambda: True)
-    assert common.runs_here(bf16, slow) is None  # a GPU trains bf16
-
-
 @pytest.mark.slow
 def test_run_arm_resumes_the_real_trainer(tmp_path, monkeypatch):
     """The real `mcore-rl-train` (tiny model): a run to 1 update, then the same arm asked for 2 resumes from the
