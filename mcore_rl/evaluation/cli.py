@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(hydra_conf/rollout/NAME.yaml, e.g. sglang; --engine-arg overrides its keys)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra engine constructor argument (YAML value), repeatable, e.g. dtype=bfloat16")
+    p.add_argument("--bf16-matmul", choices=("auto", "fp32", "native"), default="auto",
+                   help="a bf16 embedded engine on a CPU without bf16 matrix hardware: auto (bf16 products through "
+                        "fp32 GEMMs where torch's bf16 matmul is slower, measured) | fp32 | native; as model.bf16_matmul")
     p.add_argument("--checkpoint", action="store_true",
                    help="run directory: evaluate its latest checkpoint even when an hf/ export exists")
     p.add_argument("--hf-config", default=None, help="HF config + tokenizer folder for a Megatron checkpoint")
@@ -148,6 +151,10 @@ def run(a: argparse.Namespace) -> int:
         tok_dir = model.hf_dir if any(model.hf_dir.glob("tokenizer*")) else model.tokenizer_dir
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         engine_name, engine_kwargs = rollout_engine(a.rollout, a.engine, _engine_kwargs(a.engine_arg), scratch.name)
+        if engine_name == "local":  # the embedded engine computes here: bf16 products at fp32 speed where needed
+            from mcore_rl.policy.precision import configure_bf16_matmul
+
+            configure_bf16_matmul(a.bf16_matmul, {str(engine_kwargs.get("dtype"))})
         try:
             engine = build_engine(engine_name, model_path=str(model.hf_dir), seed=a.seed, **engine_kwargs)
         except (KeyError, TypeError) as e:  # unknown engine name / constructor argument

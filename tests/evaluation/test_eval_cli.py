@@ -51,6 +51,25 @@ def test_eval_run_dir_hf_export_and_checkpoint_agree(tiny_run, tmp_path, eval_in
     assert [p["responses"] for p in read_jsonl(samples2)] == [p["responses"] for p in per]
 
 
+def test_eval_bf16_engine_through_fp32_gemms(tiny_run, tmp_path, eval_inproc, caplog):
+    """A bf16 embedded engine with --bf16-matmul fp32: the route is taken (logged) and the evaluation completes
+    with responses; `native` keeps torch's kernels (compat/bf16_matmul.py)."""
+    from mcore_rl.compat import bf16_matmul
+
+    base = [str(tiny_run), "--set", "arithmetic", "--num-prompts", "2", "-n", "2", "--max-new-tokens", "4",
+            "--engine-arg", "dtype=bfloat16", "--no-progress"]
+    try:
+        for mode, line in (("fp32", "bf16 matmuls: bf16 operands, fp32 GEMM"), ("native", "torch's native kernels")):
+            out = tmp_path / f"{mode}.jsonl"
+            proc = eval_inproc(*base, "--bf16-matmul", mode, "--out", str(out))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert line in caplog.text + proc.stderr and bf16_matmul.enabled() is (mode == "fp32")
+            caplog.clear()
+            assert read_jsonl(out)[0]["n"] == 2 and read_jsonl(out)[0]["response_len"] >= 1
+    finally:
+        bf16_matmul.disable()
+
+
 def test_eval_bad_inputs_are_one_line_errors(tiny_run, tmp_path, eval_inproc):
     cases = [
         (["/nonexistent/model"], "/nonexistent/model: no such file or directory"),

@@ -53,7 +53,7 @@ def logprobs_by_dtype(smollm2_dir):
 
     init_distributed(1, 1)
     tokens, mask = _real_tokens(smollm2_dir)
-    out = {"mask": mask}
+    out = {"mask": mask, "tokens": tokens}
     head32 = Policy(smollm2_dir, PolicyConfig(build=BuildConfig(dtype="bf16", lm_head_fp32=True), token_budget=1024))
     head32.load_hf(smollm2_dir)
     out["bf16_head32"] = head32.logprobs(PolicyBatch(tokens, mask))
@@ -89,6 +89,29 @@ def test_bf16_logprobs_bounded_against_fp32(logprobs_by_dtype):
     assert o["fp32"][m].std() > 1.0  # real spread of log-probs: the comparison has teeth
     assert ours.mean() < 0.1 and ours.max() < 1.5
     assert ours.mean() <= 1.5 * peer.mean()
+
+
+def test_bf16_through_fp32_gemms_meets_the_same_bound(logprobs_by_dtype):
+    """The same bf16 Megatron policy with its matrix products routed through fp32 GEMMs (compat/bf16_matmul.py,
+    what a CPU without bf16 hardware runs): its log-probs sit as close to fp32 as torch's bf16 kernels' do, and
+    within bf16 rounding of them (a wrong accumulation or a skipped rounding would move them by far more)."""
+    from mcore_rl.compat import bf16_matmul
+    from mcore_rl.policy.step import PolicyBatch
+
+    o = logprobs_by_dtype
+    tokens, m = o["tokens"], o["mask"] > 0
+    bf16_matmul.enable()
+    try:
+        routed = o["policy_bf16"].logprobs(PolicyBatch(tokens, o["mask"]))
+    finally:
+        bf16_matmul.disable()
+    err = (routed - o["fp32"]).abs()[m]
+    native = (o["bf16"] - o["fp32"]).abs()[m]
+    between = (routed - o["bf16"]).abs()[m]
+    print(f"\nbf16 via fp32 GEMMs vs fp32: mean {err.mean():.4f} max {err.max():.4f}; torch's bf16 kernels: mean "
+          f"{native.mean():.4f}; the two bf16 routes apart: mean {between.mean():.4f} max {between.max():.4f}")
+    assert err.mean() < 0.1 and err.max() < 1.5 and err.mean() <= 1.5 * native.mean()
+    assert between.mean() <= native.mean()
 
 
 def test_bf16_uses_megatron_mixed_precision(logprobs_by_dtype):
