@@ -2,7 +2,7 @@
 with the chunked LM head (`policy/chunked_head.py`) and without it, side by side.
 
     python benchmarks/policy_step.py [--model smollm2|tiny|llama-0.5b] [--batch 8] [--seq 64] [--iters 5]
-        [--dtypes fp32,bf16] [--heads chunked,unchunked] [--device cpu|cuda] [--no-hf] [--profile N]
+        [--dtypes fp32,bf16,bf16-fp32gemm] [--heads chunked,unchunked] [--device cpu|cuda] [--no-hf] [--profile N]
 
 Each (dtype, head) runs in its own process, so peak memory is that step's alone: on CPU the kernel's RSS
 high-water mark (VmHWM, reset through /proc/self/clear_refs right before one step, after `malloc_trim` returned
@@ -140,10 +140,15 @@ def measure(a, name: str, head: str) -> dict:
     from mcore_rl.trainer.setup import resolve_compile
 
     # "bf16": the element-wise ops as the trainer builds them (model.compile=auto: compiled on CPU, eager on CUDA);
-    # "bf16-eager" / "bf16-compiled": forced either way (compat/fused_ops.py), for the side-by-side gain
+    # "bf16-eager" / "bf16-compiled": forced either way (compat/fused_ops.py), for the side-by-side gain;
+    # "bf16-fp32gemm": bf16 products through fp32 GEMMs (compat/bf16_matmul.py, model.bf16_matmul=fp32)
     base, _, mode = name.partition("-")
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[base]
-    setting = {"": "auto", "eager": "false", "compiled": "true"}[mode]
+    setting = {"": "auto", "eager": "false", "compiled": "true", "fp32gemm": "auto"}[mode]
+    if mode == "fp32gemm":
+        from mcore_rl.compat import bf16_matmul
+
+        bf16_matmul.enable()
     build = BuildConfig(dtype=base, compile=resolve_compile(setting, cuda=a.device == "cuda"))
     policy = Policy(a.folder, PolicyConfig(build=build, token_budget=n_tok))
     policy.load_hf(a.folder)
@@ -303,6 +308,9 @@ def print_table(rows: list[dict], device: str) -> None:
     if "fp32" in heads and "bf16" in heads:
         print(f"bf16/fp32 speed-up: fwd+bwd {heads['bf16']['tok_s'] / heads['fp32']['tok_s']:.2f}x, "
               f"roofline {heads['bf16']['roof'] / heads['fp32']['roof']:.2f}x")
+    for other in ("bf16", "fp32"):
+        if "bf16-fp32gemm" in heads and other in heads:
+            print(f"bf16 via fp32 GEMMs / {other}: fwd+bwd {heads['bf16-fp32gemm']['tok_s'] / heads[other]['tok_s']:.2f}x")
 
 
 def parse() -> argparse.Namespace:
@@ -311,7 +319,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16, bf16-eager, bf16-compiled")
+    ap.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16, bf16-eager, bf16-compiled, bf16-fp32gemm")
     ap.add_argument("--heads", default="chunked,unchunked",
                     help="comma list of chunked, unchunked (both padded rows), packed (chunked, rows packed)")
     ap.add_argument("--ragged", action="store_true", help="rows of random lengths (padding), as RL batches")
