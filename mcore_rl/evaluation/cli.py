@@ -112,6 +112,19 @@ def rollout_engine(name: str | None, engine: str | None, overrides: dict,
     return engine or rc.pop("engine", "local"), {k: v for k, v in rc.items() if k != "engine"}
 
 
+def _build_engine(name: str, kwargs: dict, model_dir: Path, seed: int, bf16_matmul: str):
+    from mcore_rl.rollout.protocol import build_engine
+
+    if name == "local":  # the embedded engine computes here: bf16 products at fp32 speed where needed
+        from mcore_rl.policy.precision import configure_bf16_matmul
+
+        configure_bf16_matmul(bf16_matmul, {str(kwargs.get("dtype"))})
+    try:
+        return build_engine(name, model_path=str(model_dir), seed=seed, **kwargs)
+    except (KeyError, TypeError) as e:  # unknown engine name / constructor argument
+        raise ValueError(f"--engine {name}: {str(e).strip(chr(34) + chr(39))}") from None
+
+
 def format_table(rows: list[tuple[str, dict[str, float]]], ks: list[int], n: int) -> str:
     head = ["set", "prompts", f"mean@{n}", *[f"pass@{k}" for k in ks], "len", "trunc"]
     body = [[spec, f"{int(s['num_prompts'])}", f"{s['mean_at_n']:.3f}", *[f"{s[f'pass_at_{k}']:.3f}" for k in ks],
@@ -130,8 +143,6 @@ def run(a: argparse.Namespace) -> int:
     from mcore_rl.evaluation.model_source import resolve_model
     from mcore_rl.evaluation.runner import GenerationConfig, HeldOutSet, evaluate_set
     from mcore_rl.evaluation.sets import load_set
-    from mcore_rl.rollout.protocol import build_engine
-
     n = a.samples
     if n < 1:
         raise ValueError(f"-n/--samples must be >= 1; got {n}")
@@ -151,14 +162,7 @@ def run(a: argparse.Namespace) -> int:
         tok_dir = model.hf_dir if any(model.hf_dir.glob("tokenizer*")) else model.tokenizer_dir
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         engine_name, engine_kwargs = rollout_engine(a.rollout, a.engine, _engine_kwargs(a.engine_arg), scratch.name)
-        if engine_name == "local":  # the embedded engine computes here: bf16 products at fp32 speed where needed
-            from mcore_rl.policy.precision import configure_bf16_matmul
-
-            configure_bf16_matmul(a.bf16_matmul, {str(engine_kwargs.get("dtype"))})
-        try:
-            engine = build_engine(engine_name, model_path=str(model.hf_dir), seed=a.seed, **engine_kwargs)
-        except (KeyError, TypeError) as e:  # unknown engine name / constructor argument
-            raise ValueError(f"--engine {engine_name}: {str(e).strip(chr(34) + chr(39))}") from None
+        engine = _build_engine(engine_name, engine_kwargs, model.hf_dir, a.seed, a.bf16_matmul)
         gen = GenerationConfig(n=n, temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
                                seed=a.seed)
         results = []
