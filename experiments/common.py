@@ -118,7 +118,24 @@ def _segment(run_dir: Path, cmd: list[str], log_name: str) -> dict:
     sampler.join()
     return {"rc": rc, "wall_s": time.time() - t0, "cpu_user_s": usage.ru_utime, "cpu_sys_s": usage.ru_stime,
             "load_mean": sum(loads) / max(len(loads), 1), "load_max": max(loads, default=float("nan")),
-            "load_samples": len(loads), "started": t0, "command": cmd, **machine()}
+            "load_samples": len(loads), "started": t0, "command": cmd, **machine(),
+            **bf16_route(run_dir / log_name)}
+
+
+BF16_ROUTE_LINE = "bf16 matmuls: "  # what precision.configure_bf16_matmul logs when a bf16 model runs on CPU
+
+
+def bf16_route(log_path: Path) -> dict:
+    """{"bf16_matmul": "fp32 GEMM" | "native"} from a trainer log (compat/bf16_matmul.py: which kernels computed
+    the bf16 products), {} when the log has no such line (an fp32 run, a GPU run, or a trainer that predates it)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        if BF16_ROUTE_LINE in line:
+            return {"bf16_matmul": "fp32 GEMM" if "fp32 GEMM" in line else "native"}
+    return {}
 
 
 def machine() -> dict:

@@ -83,8 +83,9 @@ def machine_lines(exp_dir: Path, arms: list[Arm]) -> list[str]:
         for meta in arm_meta(exp_dir, arm).values():
             for s in meta["segments"]:
                 dtypes = [c.split("=", 1)[1] for c in s.get("command", []) if c.startswith("model.dtype=")]
+                route = {"fp32 GEMM": " (bf16 products through fp32 GEMMs)"}.get(s.get("bf16_matmul"), "")
                 key = (f"{s.get('cpu_model', '?')}, {s.get('cpu_count', '?')} cores ({s.get('host', '?')}), "
-                       f"model.dtype={dtypes[-1] if dtypes else '?'}")
+                       f"model.dtype={dtypes[-1] if dtypes else '?'}{route}")
                 seen.setdefault(key, []).append(s["load_mean"])
     if not seen:
         return ["Machine: no runs recorded yet."]

@@ -269,6 +269,31 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
 
 
+def test_segments_record_which_kernels_computed_bf16(tmp_path):
+    """A segment records whether its bf16 products ran through fp32 GEMMs (compat/bf16_matmul.py) or torch's
+    kernels, from the trainer's own log line, and the report's machine line says so."""
+    import common
+    import report
+
+    logs = {"route": "[x mcore_rl] bf16 matmuls: bf16 operands, fp32 GEMM, result rounded to bf16 (native 55, fp32 251)",
+            "native": "[x mcore_rl] bf16 matmuls: torch's native kernels (native bf16 torch.mm 410 GFLOP/s, fp32 188)",
+            "fp32": "[x mcore_rl] model.dtype=auto -> fp32"}  # fmt: skip
+    for name, line in logs.items():
+        (tmp_path / f"{name}.log").write_text(f"start\n{line}\nend\n")
+    assert [common.bf16_route(tmp_path / f"{n}.log") for n in logs] == [
+        {"bf16_matmul": "fp32 GEMM"}, {"bf16_matmul": "native"}, {}]
+    assert common.bf16_route(tmp_path / "missing.log") == {}
+    arm = common.Arm("a", "A", [], steps=2)
+    d = tmp_path / "exp" / "data" / "a"
+    d.mkdir(parents=True)
+    seg = {"rc": 0, "load_mean": 2.0, "cpu_model": "Intel Xeon", "cpu_count": 2, "host": "h",
+           "command": ["mcore-rl-train", "model.dtype=bf16"]}
+    (d / "seed1.arm.json").write_text(json.dumps({"segments": [{**seg, "bf16_matmul": "fp32 GEMM"}, seg]}))
+    lines = report.machine_lines(tmp_path / "exp", [arm])
+    assert lines[0].startswith("Machine: Intel Xeon, 2 cores (h), model.dtype=bf16 (bf16 products through fp32 GEMMs)")
+    assert lines[1].startswith("Machine: Intel Xeon, 2 cores (h), model.dtype=bf16; 1 segments")
+
+
 def test_p3o_report_plots_ess_and_clip_fraction_over_training(tmp_path):
     """P3O's stability figure: ESS factor (P3O arms) and clipped fraction (GRPO arms) per update, mean over seeds
     with a band, from the runs' training records."""
