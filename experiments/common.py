@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -102,6 +103,29 @@ def _sample_load(stop: threading.Event, out: list[float], every: float = 10.0) -
         stop.wait(every)
 
 
+STOPPED_EXIT = 75  # an experiment's exit code after a stop request: queue.sh stops too (rerun it to resume)
+_STOP = threading.Event()
+_CHILD: list[subprocess.Popen] = []  # the trainer process of the segment running now, if any
+
+
+def _request_stop(signum: int, frame) -> None:
+    """SIGTERM / SIGINT: the running trainer gets SIGTERM (it checkpoints at its next round boundary and exits),
+    its segment is still recorded (wall-clock, CPU-seconds), and no further run starts."""
+    _STOP.set()
+    for proc in _CHILD:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+
+def install_stop_handler() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _request_stop)
+
+
+def stop_requested() -> bool:
+    return _STOP.is_set()
+
+
 def _segment(run_dir: Path, cmd: list[str], log_name: str) -> dict:
     """One trainer process: its wall-clock, CPU-seconds (os.wait4 rusage: the trainer and every process it waited
     for) and the 1-minute load average sampled every 10 s."""
@@ -111,8 +135,10 @@ def _segment(run_dir: Path, cmd: list[str], log_name: str) -> dict:
     t0 = time.time()
     with open(run_dir / log_name, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        _CHILD.append(proc)
         sampler.start()
-        _, status, usage = os.wait4(proc.pid, 0)
+        _, status, usage = os.wait4(proc.pid, 0)  # a stop request's handler runs meanwhile; the wait goes on
+        _CHILD.remove(proc)
         rc = os.waitstatus_to_exitcode(status)
     stop.set()
     sampler.join()
@@ -173,6 +199,8 @@ def run_arm(exp: str, arm: Arm, seed: int, steps: int | None = None, exp_dir: Pa
     run_dir.mkdir(parents=True, exist_ok=True)
     meta_path = run_dir / "arm.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"segments": []}
+    if action != "finish" and stop_requested():
+        return run_dir
     if action != "finish":
         cmd = arm.command(run_dir, seed, steps)
         print(f"{tag} {time.strftime('%H:%M:%S')} {action}: {' '.join(cmd)}", flush=True)
@@ -336,6 +364,7 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
     ap.add_argument("--gpu", metavar="MODEL_DIR", default=None,
                     help="the GPU profile (GPU_OVERRIDES) with this HF model folder; runs go to <exp>_gpu/")
     args = ap.parse_args()
+    install_stop_handler()
     unknown = sorted(set(args.arms or ()) - {a.name for a in arms})
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; known: {[a.name for a in arms]}")
@@ -357,6 +386,9 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
                 continue
             run_arm(exp, by_name[job.arm], job.seed, exp_dir=exp_dir)
             collect(exp_dir, exp, by_name[job.arm], job.seed, train_keys)
+            if stop_requested():
+                print(f"{exp}: stopped on request; rerun the same command to resume", flush=True)
+                sys.exit(STOPPED_EXIT)
         if args.dry_run:
             return
     report(exp_dir)

@@ -7,7 +7,13 @@
 #   GPU_MODEL=/models/Qwen2.5-0.5B-Instruct bash experiments/queue.sh     # the GPU profile (common.GPU_OVERRIDES)
 # CODE (optional): a frozen copy of the repository whose mcore_rl the arms import (e.g. `git archive HEAD | tar -x
 # -C DIR`), so that editing the working tree while the queue runs cannot change (or break) runs not yet started.
+#   bash experiments/queue.sh --stop             # the running trainer checkpoints and exits, its time is recorded,
+#                                                 # and the queue ends; the same command as before resumes it
 cd "$(dirname "$0")/.." || exit 1
+if [[ ${1:-} == --stop ]]; then
+    pkill -TERM -f 'experiments/[a-z0-9_]+/run[.]py' && echo "stop requested" || echo "no experiment is running"
+    exit 0
+fi
 export PYTHONPATH="${CODE:-$PWD}"
 # a finished run keeps its records, not its checkpoints (~2 GB each; the full queue would fill a 100 GB disk):
 # MCORE_RL_EXP_DROP_CHECKPOINTS=0 keeps them (needed only to extend a finished arm to more updates)
@@ -18,8 +24,13 @@ args=(--seeds "${SEEDS:-3}" ${GPU_MODEL:+--gpu "$GPU_MODEL"} "$@")
 for pass in --headline --all; do
     for exp in ppo_ewma_async mu_grpo_vs_grpo p3o_vs_grpo scaling_prediction; do
         sel=(); [[ $pass == --headline ]] && sel=(--headline)
-        python "experiments/$exp/run.py" "${args[@]}" "${sel[@]}" ||
-            echo "$exp ($pass): exit $? (continuing with the next experiment)"
+        python "experiments/$exp/run.py" "${args[@]}" "${sel[@]}"
+        rc=$?
+        if [[ $rc == 75 ]]; then  # common.STOPPED_EXIT: stopped on request
+            echo "queue stopped $(date -u); rerun the same command to resume"
+            exit 0
+        fi
+        [[ $rc == 0 ]] || echo "$exp ($pass): exit $rc (continuing with the next experiment)"
     done
 done
 echo "queue done $(date -u)"
