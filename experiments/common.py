@@ -122,8 +122,13 @@ def install_stop_handler() -> None:
         signal.signal(sig, _request_stop)
 
 
+def stop_file() -> Path:
+    """`queue.sh --stop` creates it: a request that also reaches a queue between two runs (no trainer to signal)."""
+    return EXP_ROOT / "STOP"
+
+
 def stop_requested() -> bool:
-    return _STOP.is_set()
+    return _STOP.is_set() or stop_file().exists()
 
 
 def _segment(run_dir: Path, cmd: list[str], log_name: str) -> dict:
@@ -192,15 +197,13 @@ def run_arm(exp: str, arm: Arm, seed: int, steps: int | None = None, exp_dir: Pa
     action, reason = decide(probe(run_dir, committed), steps)
     tag = f"[{exp}/{arm.name}/seed{seed}]"
     print(f"{tag} {action}: {reason}", flush=True)
-    if action == "skip":
+    if action == "skip" or (action != "finish" and stop_requested()):
         return run_dir
     if action == "restart":
         print(f"{tag} leftovers moved to {set_aside(run_dir)}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     meta_path = run_dir / "arm.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"segments": []}
-    if action != "finish" and stop_requested():
-        return run_dir
     if action != "finish":
         cmd = arm.command(run_dir, seed, steps)
         print(f"{tag} {time.strftime('%H:%M:%S')} {action}: {' '.join(cmd)}", flush=True)
@@ -384,11 +387,13 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
             if args.dry_run:
                 print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason})", flush=True)
                 continue
+            if stop_requested():
+                break
             run_arm(exp, by_name[job.arm], job.seed, exp_dir=exp_dir)
             collect(exp_dir, exp, by_name[job.arm], job.seed, train_keys)
-            if stop_requested():
-                print(f"{exp}: stopped on request; rerun the same command to resume", flush=True)
-                sys.exit(STOPPED_EXIT)
         if args.dry_run:
             return
     report(exp_dir)
+    if stop_requested():
+        print(f"{exp}: stopped on request; rerun the same command to resume", flush=True)
+        sys.exit(STOPPED_EXIT)

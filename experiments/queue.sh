@@ -9,28 +9,44 @@
 # -C DIR`), so that editing the working tree while the queue runs cannot change (or break) runs not yet started.
 #   bash experiments/queue.sh --stop             # the running trainer checkpoints and exits, its time is recorded,
 #                                                 # and the queue ends; the same command as before resumes it
-cd "$(dirname "$0")/.." || exit 1
-if [[ ${1:-} == --stop ]]; then
-    pkill -TERM -f 'experiments/[a-z0-9_]+/run[.]py' && echo "stop requested" || echo "no experiment is running"
-    exit 0
-fi
-export PYTHONPATH="${CODE:-$PWD}"
-# a finished run keeps its records, not its checkpoints (~2 GB each; the full queue would fill a 100 GB disk):
-# MCORE_RL_EXP_DROP_CHECKPOINTS=0 keeps them (needed only to extend a finished arm to more updates)
-export MCORE_RL_EXP_DROP_CHECKPOINTS="${MCORE_RL_EXP_DROP_CHECKPOINTS:-1}"
-args=(--seeds "${SEEDS:-3}" ${GPU_MODEL:+--gpu "$GPU_MODEL"} "$@")
-# Two passes: every experiment's headline arms (what its claim compares: a verdict per paper comes first), then
-# the rest (ablations, k=4, mu=1/4); finished runs are skipped, so the second pass only adds.
-for pass in --headline --all; do
-    for exp in ppo_ewma_async mu_grpo_vs_grpo p3o_vs_grpo scaling_prediction; do
-        sel=(); [[ $pass == --headline ]] && sel=(--headline)
-        python "experiments/$exp/run.py" "${args[@]}" "${sel[@]}"
-        rc=$?
-        if [[ $rc == 75 ]]; then  # common.STOPPED_EXIT: stopped on request
-            echo "queue stopped $(date -u); rerun the same command to resume"
-            exit 0
-        fi
-        [[ $rc == 0 ]] || echo "$exp ($pass): exit $rc (continuing with the next experiment)"
+# The whole script is one function, read by bash before it runs: editing this file while a queue runs cannot
+# change what the running queue does next.
+main() {
+    cd "$(dirname "$0")/.." || exit 1
+    local stop="${MCORE_RL_EXP_ROOT:-/work/exp_runs}/STOP"  # experiments/common.py stop_file()
+    if [[ ${1:-} == --stop ]]; then
+        mkdir -p "$(dirname "$stop")" && touch "$stop"
+        pkill -TERM -f 'experiments/[a-z0-9_]+/run[.]py'
+        echo "stop requested: the running trainer checkpoints and exits, then the queue ends"
+        exit 0
+    fi
+    rm -f "$stop"  # a request left from before this queue started
+    export PYTHONPATH="${CODE:-$PWD}"
+    # a finished run keeps its records, not its checkpoints (~2 GB each; the full queue would fill a 100 GB disk):
+    # MCORE_RL_EXP_DROP_CHECKPOINTS=0 keeps them (needed only to extend a finished arm to more updates)
+    export MCORE_RL_EXP_DROP_CHECKPOINTS="${MCORE_RL_EXP_DROP_CHECKPOINTS:-1}"
+    args=(--seeds "${SEEDS:-3}" ${GPU_MODEL:+--gpu "$GPU_MODEL"} "$@")
+    # Two passes: every experiment's headline arms (what its claim compares: a verdict per paper comes first), then
+    # the rest (ablations, k=4, mu=1/4); finished runs are skipped, so the second pass only adds.
+    for pass in --headline --all; do
+        for exp in ppo_ewma_async mu_grpo_vs_grpo p3o_vs_grpo scaling_prediction; do
+            if [[ -e $stop ]]; then
+                rm -f "$stop"
+                echo "queue stopped $(date -u); rerun the same command to resume"
+                exit 0
+            fi
+            sel=(); [[ $pass == --headline ]] && sel=(--headline)
+            python "experiments/$exp/run.py" "${args[@]}" "${sel[@]}"
+            rc=$?
+            if [[ $rc == 75 ]]; then  # common.STOPPED_EXIT: stopped on request
+                rm -f "$stop"
+                echo "queue stopped $(date -u); rerun the same command to resume"
+                exit 0
+            fi
+            [[ $rc == 0 ]] || echo "$exp ($pass): exit $rc (continuing with the next experiment)"
+        done
     done
-done
-echo "queue done $(date -u)"
+    echo "queue done $(date -u)"
+}
+main "$@"
+exit $?

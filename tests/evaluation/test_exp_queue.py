@@ -5,6 +5,7 @@ its leftovers kept; and every arm of every experiment composes and validates aga
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -138,7 +139,9 @@ def test_a_committed_marker_skips_a_run_whose_directory_is_gone(tmp_path, monkey
 
 
 FAKE_TRAINER = r"""
-import json, os, sys
+import json, os, signal, sys, time
+stop = []  # SIGTERM, as the real trainer: checkpoint at the end of this update and exit 0
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 run = args["hydra.run.dir"]; steps = int(args["trainer.steps"]); every = int(args["trainer.save_every"])
 ck = os.path.join(run, "checkpoints")
@@ -153,10 +156,64 @@ for step in range(start + 1 if start else 0, steps + 1):
         f.write(json.dumps({"step": step, "mean_at_k": 0.5, "wallclock_s": step, "cpu_s": step}) + "\n")
     with open(os.path.join(run, "eval_prompts.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "per_prompt_correct": [0.25, 0.75]}) + "\n")
-    if step and step % every == 0:
+    if step and (step % every == 0 or stop):
         d = os.path.join(ck, f"step_{step:06d}"); os.makedirs(d)
         open(os.path.join(d, "complete.json"), "w").write('{"files": {}}')
+    if stop:
+        sys.exit(0)
+    time.sleep(float(os.environ.get("FAKE_STEP_S", "0")))
 """
+
+STOP_DRIVER = r"""
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import common
+common.EXP_ROOT, fake, seed = Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+common.Arm.command = lambda self, run_dir, seed, steps=None: [sys.executable, fake, f"hydra.run.dir={run_dir}",
+    f"seed={seed}", f"trainer.save_every={self.save_every}", f"trainer.steps={steps or self.steps}"]
+common.install_stop_handler()
+common.run_arm("exp", common.Arm("a", "A", [], steps=40, save_every=10), seed)
+sys.exit(common.STOPPED_EXIT if common.stop_requested() else 0)
+"""
+
+
+def test_a_stop_request_checkpoints_records_the_segment_and_resumes(tmp_path):
+    """SIGTERM to an experiment process (what `queue.sh --stop` sends): the running trainer is asked to stop, it
+    checkpoints and exits, the segment (wall-clock, CPU) is recorded, the process exits STOPPED_EXIT; rerun, the arm
+    resumes from that checkpoint. A STOP file (a request made between runs) starts no run at all."""
+    import signal
+    import subprocess
+    import time
+
+    import common
+    import plan
+
+    (tmp_path / "fake.py").write_text(FAKE_TRAINER)
+    (tmp_path / "driver.py").write_text(STOP_DRIVER)
+    root, run = tmp_path / "runs", tmp_path / "runs" / "exp" / "a" / "seed7"
+
+    def driver(seed: int, step_s: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(EXP), str(root),
+                                 str(tmp_path / "fake.py"), str(seed)], env={**os.environ, "FAKE_STEP_S": step_s})
+
+    proc = driver(7, "0.2")
+    deadline = time.time() + 60
+    while time.time() < deadline and len((run / "eval.jsonl").read_text().splitlines() if (run / "eval.jsonl").exists()
+                                         else []) < 4:  # fmt: skip
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == common.STOPPED_EXIT
+    stopped_at = plan.probe(run).checkpoint_update
+    assert stopped_at is not None and 3 <= stopped_at < 40 and not (run / plan.MARKER).exists()
+    segs = json.loads((run / "arm.json").read_text())["segments"]
+    assert [(s["action"], s["rc"]) for s in segs] == [("start", 0)] and segs[0]["wall_s"] >= 0.6
+    assert driver(7, "0").wait(timeout=60) == 0
+    assert (run / "calls.log").read_text().splitlines() == ["start=0 seed=7", f"start={stopped_at} seed=7"]
+    assert json.loads((run / plan.MARKER).read_text())["steps"] == 40
+    (root / "STOP").touch()
+    assert driver(8, "0").wait(timeout=60) == common.STOPPED_EXIT
+    assert not (root / "exp" / "a" / "seed8").exists()
 
 
 def test_run_arm_resumes_after_a_crash_and_never_reruns_a_finished_arm(tmp_path, monkeypatch):
