@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 LONG: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # short -> long
 SHORT: tuple[str, ...] = tuple(LONG)
 SHORT_OR_LONG: tuple[str, ...] = (*LONG, *LONG.values())
+# model.bf16_matmul / mcore-rl-eval --bf16-matmul: which kernels compute bf16 products on a CPU (compat/bf16_matmul.py)
+BF16_MATMUL_MODES: tuple[str, ...] = ("auto", "fp32", "native")
 
 
 def short_name(dtype: str | torch.dtype) -> str:

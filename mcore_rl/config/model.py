@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.config.checks import ConfigError, one_of, positive
-from mcore_rl.dtypes import SHORT
+from mcore_rl.dtypes import BF16_MATMUL_MODES, SHORT
 
 MODEL_SOURCES = ("smollm2", "hf", "tiny")
 DTYPES = ("auto", *SHORT)
@@ -107,7 +107,7 @@ class ModelConfig:
         one_of("model.source", self.source, MODEL_SOURCES)
         one_of("model.dtype", self.dtype, DTYPES)
         one_of("model.transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
-        one_of("model.bf16_matmul", self.bf16_matmul, ("auto", "native", "fp32"))
+        one_of("model.bf16_matmul", self.bf16_matmul, BF16_MATMUL_MODES)
         self.compile = str(self.compile).lower()  # a bare `model.compile=false` arrives as the string "False"
         one_of("model.compile", self.compile, ("auto", "true", "false"))
         if self.source == "hf" and not self.hf_path:

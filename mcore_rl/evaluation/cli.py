@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mcore_rl.dtypes import BF16_MATMUL_MODES
+
 SET_HELP = ("held-out set, repeatable: arithmetic | champ | reasoning_gym/NAME | hf/HUB_ID | local .jsonl/.json/"
             ".parquet | data .yaml, each optionally followed by :key=value,... (e.g. arithmetic:max_operand=50)")
 
@@ -41,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(hydra_conf/rollout/NAME.yaml, e.g. sglang; --engine-arg overrides its keys)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra engine constructor argument (YAML value), repeatable, e.g. dtype=bfloat16")
-    p.add_argument("--bf16-matmul", choices=("auto", "fp32", "native"), default="auto",
+    p.add_argument("--bf16-matmul", choices=BF16_MATMUL_MODES, default="auto",
                    help="a bf16 embedded engine on a CPU without bf16 matrix hardware: auto (bf16 products through "
                         "fp32 GEMMs where torch's bf16 matmul is slower, measured) | fp32 | native; as model.bf16_matmul")
     p.add_argument("--checkpoint", action="store_true",

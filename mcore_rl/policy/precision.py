@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.dtypes import SHORT, long_name
+from mcore_rl.dtypes import BF16_MATMUL_MODES, SHORT, long_name
 
 log = logging.getLogger("mcore_rl")
 
@@ -145,9 +145,6 @@ def _decide_auto() -> str:
     return "bf16" if choice.item() > 0 else "fp32"
 
 
-BF16_MATMUL_CHOICES = ("auto", "native", "fp32")
-
-
 def configure_bf16_matmul(mode: str, dtypes: Iterable[str]) -> bool:
     """Whether this process's bf16 CPU matrix products run through fp32 GEMMs (compat/bf16_matmul.py: the same
     bf16 arithmetic at fp32 speed where the CPU has no bf16 matrix hardware). `mode`: `native` (torch's bf16
@@ -156,8 +153,8 @@ def configure_bf16_matmul(mode: str, dtypes: Iterable[str]) -> bool:
     trainer's and the engine's). Returns True when enabled; logged either way a bf16 model runs on CPU."""
     from mcore_rl.compat import bf16_matmul
 
-    if mode not in BF16_MATMUL_CHOICES:
-        raise ValueError(f"model.bf16_matmul={mode!r}: expected one of {list(BF16_MATMUL_CHOICES)}")
+    if mode not in BF16_MATMUL_MODES:
+        raise ValueError(f"model.bf16_matmul={mode!r}: expected one of {list(BF16_MATMUL_MODES)}")
     bf16_matmul.disable()  # decided afresh (and measured on torch's own kernels)
     if not {"bf16", "bfloat16"} & set(dtypes) or torch.cuda.is_available():
         return False
