@@ -16,6 +16,9 @@ How: the CPU kernels of `aten::mm`, `addmm`, `bmm` and `baddbmm` are overridden 
 autograd, so backward products go the same way) by functions that widen bf16 operands and call the fp32 kernel;
 any other dtype goes to the op's own `.out` kernel, which is not overridden. `disable()` removes the overrides and
 restores torch's kernels. Whether to enable is decided by `policy.precision.configure_bf16_matmul`.
+
+`WideWeights` + `wide_linear`: the same products for a caller that multiplies the same weights again and again by a
+few rows (the engine's decode step), with each weight widened once per version instead of once per product.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 _BF16 = torch.bfloat16
 _LIB: torch.library.Library | None = None
@@ -91,3 +95,52 @@ def disable() -> None:
 
 def enabled() -> bool:
     return _LIB is not None
+
+
+def routed(x: torch.Tensor) -> bool:
+    """True when products of this tensor's dtype and device run through fp32 GEMMs in this process."""
+    return _LIB is not None and x.dtype == _BF16 and x.device.type == "cpu"
+
+
+class WideWeights:
+    """fp32 copies of bf16 weights, each made once per weight version. Why: the route widens both operands of every
+    product, so a decode step (a few rows times every weight of the model) would re-widen all weights each step:
+    SmolLM2 is 135M values, read 2 bytes and written 4 each, for GEMMs of 4-64 rows. A copy is reused while its
+    weight's version counter (`Tensor._version`, bumped by every in-place update, shared by views) is unchanged.
+    Keyed by the weight object itself, which the cache holds: `clear` when the weights are re-allocated or updated
+    through other tensors than these (a view made by `param.data = buf[...]` does not share `buf`'s counter), or
+    give a `capacity` (a new weight object beyond it empties the cache: e.g. one slot for a re-pointed LM head)."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.capacity = capacity
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        hit = self._copies.get(id(weight))
+        if hit is not None and hit[1] == weight._version:
+            return hit[2]
+        if hit is None and self.capacity is not None and len(self._copies) >= self.capacity:
+            self._copies.clear()
+        wide = weight.detach().float()
+        self._copies[id(weight)] = (weight, weight._version, wide)
+        return wide
+
+    def clear(self) -> None:
+        self._copies.clear()
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wide: WideWeights,
+                in_major: bool = False) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` ([out, in] weight) or `x @ weight (+ bias)` (in_major: [in, out]) of bf16
+    operands, as the route computes it (the same fp32 GEMM on the same values, so the same bits), on cached
+    widened weights."""
+    x32, w32 = x.float(), wide(weight)
+    b32 = None if bias is None else wide(bias)
+    if not in_major:
+        out = F.linear(x32, w32, b32)
+    else:
+        out = torch.mm(x32, w32) if b32 is None else torch.addmm(b32, x32, w32)
+    return out.to(x.dtype)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.compat.bf16_matmul import WideWeights, routed, wide_linear
 from mcore_rl.rollout.local.kv_cache import KVCache
 from mcore_rl.rollout.local.lm_head import REGROUP_DTYPES
 
@@ -163,12 +164,15 @@ class DecodeForward:
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.scaling = attn.scaling
         self.qk_norm = hasattr(attn, "q_norm")
+        self.wide = WideWeights()  # fp32 copies for the fp32-GEMM bf16 route (compat/bf16_matmul.py), when on
 
     def refresh(self) -> int:
         """Re-fuse layers whose parameters no longer alias the fused buffers; returns how many were re-fused."""
         stale = [i for i, f in enumerate(self.layers) if not f.is_fused()]
         for i in stale:
             self.layers[i] = fuse(self.layers[i].layer, self.in_major)
+        if stale:
+            self.wide.clear()
         return len(stale)
 
     def set_layout(self, in_major: bool) -> None:
@@ -176,6 +180,7 @@ class DecodeForward:
         if in_major != self.in_major:
             self.in_major = in_major
             self.layers = [fuse(f.layer, in_major) for f in self.layers]
+            self.wide.clear()
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: KVCache
@@ -188,15 +193,19 @@ class DecodeForward:
         rope = (cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:])
         bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         bias = bias[:, None, None, :]  # [B, 1, 1, L]: additive, built once for every layer
+        wide = self.wide if routed(h) else None
         for fused, layer in zip(self.layers, cache.layers):
-            h = self._layer(fused, layer, h, rope, bias)
+            h = self._layer(fused, layer, h, rope, bias, wide)
         return rms_norm(h, m.norm)
 
     __call__ = forward
 
-    def _layer(self, fused: FusedLayer, kv, h: torch.Tensor, rope, bias: torch.Tensor) -> torch.Tensor:
+    def _layer(self, fused: FusedLayer, kv, h: torch.Tensor, rope, bias: torch.Tensor,
+               wide: WideWeights | None) -> torch.Tensor:
         mod, b, d = fused.layer, h.shape[0], self.head_dim
         mm = in_major_linear if fused.in_major else linear
+        if wide is not None:  # bf16 through fp32 GEMMs: on the cached fp32 copies
+            mm = lambda x, w, bias: wide_linear(x, w, bias, wide, fused.in_major)  # noqa: E731
         qkv = mm(rms_norm(h, mod.input_layernorm), fused.qkv, fused.qkv_bias)
         nq, nkv = self.q_heads, self.kv_heads
         qk = qkv[:, : (nq + nkv) * d].view(b, nq + nkv, d)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.compat.bf16_matmul import WideWeights, routed, wide_linear
+
 # model_type -> the CausalLM's logits are exactly lm_head(last hidden state) (read in transformers' modeling files)
 PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 SKINNY_ROWS = 16  # at or below: W @ x^T
@@ -42,6 +44,7 @@ class LastLogits:
         )
         self.head = head if plain else None  # the module, not its weight: weight updates copy in place
         self.regroup = True  # the CPU forms below (fp32); False: the plain product (weight_layout.py decides)
+        self.wide = WideWeights(capacity=1)  # the head's fp32 copy for the fp32-GEMM bf16 route (compat/bf16_matmul.py)
 
     def __call__(self, **kwargs) -> torch.Tensor:
         if self.head is None:
@@ -50,6 +53,8 @@ class LastLogits:
 
     def of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states [B, H] (a plain head only)."""
+        if routed(hidden):
+            return wide_linear(hidden, self.head.weight, None, self.wide)
         return head_logits(hidden, self.head.weight, self.regroup)
 
 
