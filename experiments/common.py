@@ -179,7 +179,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu_model": model, "cpu_count": os.cpu_count(), "host": os.uname().nodename}
+    return {"cpu_model": model, "cpu_count": os.cpu_count(), "host": os.uname().nodename,
+            "code": os.environ.get("MCORE_RL_EXP_CODE", "?")}  # the commit the trainer ran (queue.sh sets it)
 
 
 def committed_marker(exp_dir: Path, arm: Arm, seed: int) -> Path:

@@ -6,7 +6,8 @@
 #   SEEDS=5 bash experiments/queue.sh            # more seeds: seeds 1234..1238, the first 3 reused
 #   GPU_MODEL=/models/Qwen2.5-0.5B-Instruct bash experiments/queue.sh     # the GPU profile (common.GPU_OVERRIDES)
 # CODE (optional): a frozen copy of the repository whose mcore_rl the arms import (e.g. `git archive HEAD | tar -x
-# -C DIR`), so that editing the working tree while the queue runs cannot change (or break) runs not yet started.
+# -C DIR && git rev-parse --short HEAD > DIR/COMMIT`), so that editing the working tree while the queue runs cannot
+# change (or break) runs not yet started.
 #   bash experiments/queue.sh --stop             # the running trainer checkpoints and exits, its time is recorded,
 #                                                 # and the queue ends; the same command as before resumes it
 # The whole script is one function, read by bash before it runs: editing this file while a queue runs cannot
@@ -22,6 +23,10 @@ main() {
     fi
     rm -f "$stop"  # a request left from before this queue started
     export PYTHONPATH="${CODE:-$PWD}"
+    # the commit the arms run, recorded in every segment of arm.json: of the frozen copy (its COMMIT file, written
+    # by the recipe in experiments/README.md), else of this checkout
+    MCORE_RL_EXP_CODE="$(cat "${CODE:-/nonexistent}/COMMIT" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    export MCORE_RL_EXP_CODE
     # a finished run keeps its records, not its checkpoints (~2 GB each; the full queue would fill a 100 GB disk):
     # MCORE_RL_EXP_DROP_CHECKPOINTS=0 keeps them (needed only to extend a finished arm to more updates)
     export MCORE_RL_EXP_DROP_CHECKPOINTS="${MCORE_RL_EXP_DROP_CHECKPOINTS:-1}"

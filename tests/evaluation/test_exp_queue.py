@@ -242,6 +242,7 @@ def test_run_arm_resumes_after_a_crash_and_never_reruns_a_finished_arm(tmp_path,
     run = common.run_dir_for("exp", arm, 7)
 
     monkeypatch.setenv("FAKE_CRASH_AT", "6")
+    monkeypatch.setenv("MCORE_RL_EXP_CODE", "abc1234")
     common.run_arm("exp", arm, 7)
     assert not (run / plan.MARKER).exists()
     assert plan.probe(run).checkpoint_update == 4
@@ -256,6 +257,7 @@ def test_run_arm_resumes_after_a_crash_and_never_reruns_a_finished_arm(tmp_path,
     meta = json.loads((run / "arm.json").read_text())
     assert [(s["action"], s["rc"]) for s in meta["segments"]] == [("start", 9), ("resume", 0)]
     assert meta["segments"][0]["cpu_model"] and meta["segments"][0]["cpu_count"] >= 1
+    assert meta["segments"][0]["code"] == "abc1234"  # the commit queue.sh exported
 
     exp_dir = tmp_path / "exp_dir"
     common.collect(exp_dir, "exp", arm, 7)
