@@ -42,14 +42,14 @@ def _widen(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     wide = _widen(a, b)
     if wide is not None:
-        return torch.mm(*wide).to(_BF16)
+        return _mm(*wide).to(_BF16)  # straight to the fp32 `.out` kernel below
     return torch.ops.aten.mm.out(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     wide = _widen(bias, a, b)
     if wide is not None:  # the bias joins the fp32 accumulator before the one rounding, as in a bf16 GEMM
-        return torch.addmm(*wide, beta=beta, alpha=alpha).to(_BF16)
+        return _addmm(*wide, beta=beta, alpha=alpha).to(_BF16)
     out = a.new_empty((a.shape[0], b.shape[1]))
     return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
 
@@ -57,14 +57,14 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alph
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     wide = _widen(a, b)
     if wide is not None:
-        return torch.bmm(*wide).to(_BF16)
+        return _bmm(*wide).to(_BF16)
     return torch.ops.aten.bmm.out(a, b, out=a.new_empty((a.shape[0], a.shape[1], b.shape[2])))
 
 
 def _baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     wide = _widen(bias, a, b)
     if wide is not None:
-        return torch.baddbmm(*wide, beta=beta, alpha=alpha).to(_BF16)
+        return _baddbmm(*wide, beta=beta, alpha=alpha).to(_BF16)
     out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
     return torch.ops.aten.baddbmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
 

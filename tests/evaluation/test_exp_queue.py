@@ -328,15 +328,32 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
 
 
-def test_segments_record_which_kernels_computed_bf16(tmp_path):
+def test_segments_record_which_kernels_computed_bf16(tmp_path, monkeypatch, caplog):
     """A segment records whether its bf16 products ran through fp32 GEMMs (compat/bf16_matmul.py) or torch's
-    kernels, from the trainer's own log line, and the report's machine line says so."""
+    kernels, from the trainer's own log line (the lines below are what `configure_bf16_matmul` logs), and the
+    report's machine line says so."""
+    import logging
+
     import common
     import report
+    import torch
 
-    logs = {"route": "[x mcore_rl] bf16 matmuls: bf16 operands, fp32 GEMM, result rounded to bf16 (native 55, fp32 251)",
-            "native": "[x mcore_rl] bf16 matmuls: torch's native kernels (native bf16 torch.mm 410 GFLOP/s, fp32 188)",
-            "fp32": "[x mcore_rl] model.dtype=auto -> fp32"}  # fmt: skip
+    from mcore_rl.compat import bf16_matmul
+    from mcore_rl.policy import precision
+
+    monkeypatch.setattr(precision, "_RATES", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    logs = {}
+    try:
+        for name, rates in (("route", (251.0, 55.0)), ("native", (188.0, 410.0))):
+            monkeypatch.setattr(precision, "measure_matmul_rates", lambda r=rates: precision.MatmulRates(*r))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="mcore_rl"):
+                precision.configure_bf16_matmul("auto", {"bf16"})
+            logs[name] = "[x mcore_rl] " + caplog.records[-1].getMessage()
+    finally:
+        bf16_matmul.disable()
+    logs["fp32"] = "[x mcore_rl] model.dtype=auto -> fp32"
     for name, line in logs.items():
         (tmp_path / f"{name}.log").write_text(f"start\n{line}\nend\n")
     assert [common.bf16_route(tmp_path / f"{n}.log") for n in logs] == [

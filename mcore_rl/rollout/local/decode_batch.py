@@ -85,12 +85,10 @@ class DecodeBatch:
         self.last_logits.regroup = not in_major
 
     def refresh_fused(self) -> None:
-        """After a weight update: re-fuse re-pointed layers, drop the fp32 copies of the bf16 route (a parameter
-        re-pointed at its slice of a fused buffer keeps its own version counter, so the copies cannot tell)."""
+        """After a weight update: the fused forward re-fuses and drops its fp32 copies; so does the LM head."""
         self.last_logits.wide.clear()
         if self.fused is not None:
             self.fused.refresh()
-            self.fused.wide.clear()
 
     def _set_mask(self, mask: torch.Tensor, capacity: int) -> None:
         """Copy `mask` into a fresh [B, capacity] buffer; decode steps then extend it in place."""

@@ -20,6 +20,7 @@ runs the model's own forward: never an approximation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -167,12 +168,13 @@ class DecodeForward:
         self.wide = WideWeights()  # fp32 copies for the fp32-GEMM bf16 route (compat/bf16_matmul.py), when on
 
     def refresh(self) -> int:
-        """Re-fuse layers whose parameters no longer alias the fused buffers; returns how many were re-fused."""
+        """After a weight update: re-fuse layers whose parameters no longer alias the fused buffers (returns how
+        many), and drop the bf16 route's fp32 copies (a parameter re-pointed at its slice of a fused buffer keeps
+        its own version counter, so the copies cannot tell an in-place update happened)."""
         stale = [i for i, f in enumerate(self.layers) if not f.is_fused()]
         for i in stale:
             self.layers[i] = fuse(self.layers[i].layer, self.in_major)
-        if stale:
-            self.wide.clear()
+        self.wide.clear()
         return len(stale)
 
     def set_layout(self, in_major: bool) -> None:
@@ -205,7 +207,7 @@ class DecodeForward:
         mod, b, d = fused.layer, h.shape[0], self.head_dim
         mm = in_major_linear if fused.in_major else linear
         if wide is not None:  # bf16 through fp32 GEMMs: on the cached fp32 copies
-            mm = lambda x, w, bias: wide_linear(x, w, bias, wide, fused.in_major)  # noqa: E731
+            mm = partial(wide_linear, wide=wide, in_major=fused.in_major)
         qkv = mm(rms_norm(h, mod.input_layernorm), fused.qkv, fused.qkv_bias)
         nq, nkv = self.q_heads, self.kv_heads
         qk = qkv[:, : (nq + nkv) * d].view(b, nq + nkv, d)
