@@ -279,14 +279,6 @@ def train_records(exp_dir: Path, arm: Arm) -> dict[int, list[dict]]:
     return out
 
 
-def first_reaching(records: list[dict], target: float, metric: str = "mean_at_k") -> dict | None:
-    """The first eval record at or above `target` (None: the arm never reached it)."""
-    for r in records:
-        if r.get(metric, float("-inf")) >= target - 1e-12:
-            return r
-    return None
-
-
 def fmt(x, spec: str = ".3f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 

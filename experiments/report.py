@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from common import PHASES, Arm, arm_meta, evals, figure_panels, train_records
-from stats import Interval, bootstrap_interval, curve, difference_interval, plot_bands
+from stats import Interval, bootstrap_interval, curve, difference_interval, plot_bands, time_to_target
 
 
 def scores_at(per_seed: dict[int, list[dict]], which: str = "last") -> list:
@@ -135,3 +135,31 @@ def plot_train_metrics(exp_dir: Path, panels: list[tuple[list[Arm], str, str]], 
             ax.grid(alpha=0.3)
             ax.set_title("mean over seeds; band: 95% interval over seeds", fontsize=8)
             ax.legend(fontsize=7)
+
+
+def time_to_target_rows(exp_dir: Path, arms: list[Arm], pairs: list[tuple[Arm, Arm]],
+                        fractions: tuple[float, ...] = (0.5, 1.0)) -> list[str]:
+    """Wall-clock and CPU time for each finished arm's mean curve to reach common targets, and the time ratios of
+    arm pairs, with 95% intervals (stats.time_to_target)."""
+    ran = [a for a in arms if evals(exp_dir, a)]
+    if not ran:
+        return ["No arm has finished yet."]
+    per_arm = [evals(exp_dir, a) for a in ran]
+    lines = ["Target: the base accuracy plus a fraction of the smallest gain any finished arm made (100%: the "
+             "lowest final mean), so every arm's curve reaches it. Time for the arm's mean curve over seeds and "
+             "held-out prompts to reach it, interpolated between eval points; 95% interval by bootstrap over seeds "
+             "and prompts, target recomputed per replicate. Wall and CPU exclude held-out evaluation.", "",
+             "| target | arm | wall (min) [95%] | CPU (min) [95%] |", "|---|---|---|---|"]
+    idx = {a.name: i for i, a in enumerate(ran)}
+    ratio_rows = []
+    for f in fractions:
+        wall, cpu = time_to_target(per_arm, f, "wallclock_s"), time_to_target(per_arm, f, "cpu_s")
+        label = f"{f:.0%} of the gain ({wall.target:.3f})"
+        lines += [f"| {label} | {a.label} | {wall.times[i].cell(1 / 60)} | {cpu.times[i].cell(1 / 60)} |"
+                  for i, a in enumerate(ran)]
+        ratio_rows += [f"| {label} | {a.label} / {b.label} | {wall.ratio(idx[a.name], idx[b.name]).cell(spec='.2f')} "
+                       f"| {cpu.ratio(idx[a.name], idx[b.name]).cell(spec='.2f')} |"
+                       for a, b in pairs if a.name in idx and b.name in idx]
+    if ratio_rows:
+        lines += ["", "| target | time ratio | wall [95%] | CPU [95%] |", "|---|---|---|---|", *ratio_rows]
+    return lines

@@ -134,3 +134,106 @@ def plot_bands(ax, points: list[tuple[float, Interval]], label: str, x_scale: fl
     ax.fill_between(
         xs, [iv.lo for _, iv in points], [iv.hi for _, iv in points], color=line.get_color(), alpha=0.2, lw=0
     )
+
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """A time (or a ratio of times) and its 95% percentile interval over bootstrap replicates."""
+
+    time: float
+    lo: float
+    hi: float
+
+    def cell(self, scale: float = 1.0, spec: str = ".1f") -> str:
+        return f"{self.time * scale:{spec}} [{self.lo * scale:{spec}}, {self.hi * scale:{spec}}]"
+
+
+def _curve_arrays(per_seed: dict[int, list[dict]], x_key: str) -> tuple[np.ndarray, np.ndarray]:
+    """scores [steps, seeds, prompts] and x [steps, seeds] at the steps every seed reached (per-prompt fractions
+    correct where every record has them, else each seed's mean@k as a single 'prompt')."""
+    by_step = [{r["step"]: r for r in recs} for recs in per_seed.values()]
+    common = sorted(set.intersection(*(set(d) for d in by_step)))
+    rows = [[d[s] for d in by_step] for s in common]
+    flat = [r for row in rows for r in row]
+    per_prompt = all("correct" in r for r in flat) and len({len(r["correct"]) for r in flat}) == 1
+    scores = np.array([[r["correct"] if per_prompt else [r["mean_at_k"]] for r in row] for row in rows], dtype=float)
+    return scores, np.array([[r[x_key] for r in row] for row in rows], dtype=float)
+
+
+def _first_crossing(means: np.ndarray, xs: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Per replicate (rows of means / xs, [reps, steps]; target [reps]): the x at which the piecewise-linear curve
+    first reaches the target, interpolated between the eval points on either side; inf where it never does."""
+    hit = means >= target[:, None] - 1e-12
+    first = np.where(hit.any(axis=1), hit.argmax(axis=1), -1)
+    out = np.full(means.shape[0], np.inf)
+    for r, t in enumerate(first):
+        if t == 0:
+            out[r] = xs[r, 0]
+        elif t > 0:
+            m0, m1, x0, x1 = means[r, t - 1], means[r, t], xs[r, t - 1], xs[r, t]
+            out[r] = x0 + (target[r] - m0) / (m1 - m0) * (x1 - x0)
+    return out
+
+
+@dataclass(frozen=True)
+class TargetTimes:
+    """When each arm's mean accuracy curve first reaches a common target (`time_to_target`)."""
+
+    target: float  # from the plain means
+    times: list[Crossing]  # per arm, in `x_key` units
+    replicates: np.ndarray  # [reps, arms] times per bootstrap replicate (for ratios)
+    point: np.ndarray  # [arms] times from the plain means
+    level: float
+
+    def ratio(self, a: int, b: int) -> Crossing:
+        """Arm a's time over arm b's, with the interval from the same replicates (prompts drawn jointly)."""
+        return _crossing(self.point[a] / self.point[b], self.replicates[:, a] / self.replicates[:, b], self.level)
+
+
+def _crossing(point: float, reps: np.ndarray, level: float) -> Crossing:
+    alpha = (1.0 - level) / 2.0
+    lo, hi = np.quantile(reps, [alpha, 1.0 - alpha])
+    return Crossing(float(point), float(lo), float(hi))
+
+
+def _times(curves: list[tuple[np.ndarray, np.ndarray]], fraction: float, ws: list[np.ndarray], wp: np.ndarray):
+    """Each arm's crossing time per replicate, and the replicate's target: base (mean over arms of the first eval)
+    plus `fraction` of the smallest gain (the lowest final mean). The target is recomputed in every replicate, so
+    a draw of easier or harder prompts moves the target with the curves instead of moving every crossing."""
+    means, xs = [], []
+    for (scores, x), w in zip(curves, ws):
+        n_s, n_p = scores.shape[1], scores.shape[2]
+        means.append(np.einsum("rs,tsp,rp->rt", w, scores, wp) / (n_s * n_p))
+        xs.append(w @ x.T / n_s)
+    base = np.mean([m[:, 0] for m in means], axis=0)
+    target = base + fraction * (np.min([m[:, -1] for m in means], axis=0) - base)
+    return np.stack([_first_crossing(m, x, target) for m, x in zip(means, xs)], axis=1), target
+
+
+def time_to_target(
+    per_arm: list[dict[int, list[dict]]], fraction: float, x_key: str = "wallclock_s", reps: int = 4000,
+    level: float = 0.95, seed: int = 0,
+) -> TargetTimes:
+    """When each arm's mean curve (over seeds and held-out prompts) first reaches base + `fraction` x the smallest
+    gain any of the arms made, in `x_key` units (`fraction` in (0, 1]: every arm's curve reaches the target within
+    its run, by construction).
+
+    Why the mean curve, interpolated, and not each seed's first eval point at or above a target: eval points come
+    every few updates (a whole stage apart for Mu-GRPO), so 'first eval point' rounds every time up to the next
+    point, more for arms with sparser evals, and a single seed's curve crosses a target by noise. The interval
+    resamples each arm's seeds independently and the shared held-out prompts jointly (as `difference_interval`),
+    and recomputes the target and the crossings per replicate. The arms must share base model and prompts."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction: expected 0 < fraction <= 1, got {fraction}")
+    curves = [_curve_arrays(p, x_key) for p in per_arm]
+    n_p = {c[0].shape[2] for c in curves}
+    if len(n_p) != 1:
+        raise ValueError(f"time_to_target: the arms were scored on different prompt counts {sorted(n_p)}")
+    (n_p,) = n_p
+    point, target = _times(curves, fraction, [np.ones((1, c[0].shape[1])) for c in curves], np.ones((1, n_p)))
+    rng = np.random.default_rng(seed)
+    ws = [_counts(rng, c[0].shape[1], reps) for c in curves]
+    reps_t, _ = _times(curves, fraction, ws, _counts(rng, n_p, reps))
+    times = [_crossing(point[0, i], reps_t[:, i], level) for i in range(len(curves))]
+    return TargetTimes(float(target[0]), times, reps_t, point[0], level)

@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from common import Arm, arms_main, git_rev, seeds_for, train_records, write_results  # noqa: E402
-from report import arm_table, difference_rows, machine_lines, plot_curves  # noqa: E402
+from report import arm_table, difference_rows, machine_lines, plot_curves, time_to_target_rows  # noqa: E402
 
 EXP = "ppo_ewma_async"
 STEPS = 24
@@ -115,6 +115,11 @@ def _mean_of(exp_dir: Path, arm: Arm, key: str) -> str:
     return f"{statistics.fmean(per_seed):.3f}" if per_seed else "n/a"
 
 
+def _speed_rows(exp_dir: Path, k: int, by: dict[str, Arm]) -> list[str]:
+    arms = [by[f"{n}_k{k}"] for n in ANCHORS]
+    return [f"### async k={k}", "", *time_to_target_rows(exp_dir, arms, [(a, arms[0]) for a in arms[1:]]), ""]
+
+
 def report(exp_dir: Path = HERE) -> None:
     by = {a.name: a for a in COMPARED}
     plot_curves(exp_dir, COMPARED, exp_dir / "accuracy.png")
@@ -143,6 +148,9 @@ def report(exp_dir: Path = HERE) -> None:
             + [(by["snapshot_wideti_k2"], by["snapshot_k2"])],
         ),
         "",
+        "## Time to a common target (the claim's 'speed'), per staleness bound",
+        "",
+        *[row for k in (2, 4) for row in _speed_rows(exp_dir, k, by)],
         "## Anchor health (mean over updates, then over seeds)",
         "",
         "| arm | TI keep-rate | clip frac | KL to anchor | EWMA age | resets per update |",

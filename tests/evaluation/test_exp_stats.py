@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 
-from stats import bootstrap_interval, curve, difference_interval  # noqa: E402
+from stats import bootstrap_interval, curve, difference_interval, time_to_target  # noqa: E402
 
 
 def _crossed(rng: np.random.Generator, n_s: int, n_p: int, mu: float = 0.4) -> np.ndarray:
@@ -102,3 +102,51 @@ def test_curve_uses_steps_every_seed_reached():
     pts = curve(per_seed, x_key="wallclock_s")
     assert [x for x, _ in pts] == [0.0, 110.0]
     assert pts[1][1].mean == pytest.approx(0.625) and pts[1][1].n_seeds == 2 and pts[1][1].n_prompts == 2
+
+
+def _arm(points: list[tuple[int, float, float]], n_p: int = 8, seeds: int = 3, noise: float = 0.0, rng=None):
+    """Eval records per seed at (step, wall-clock, accuracy); every prompt scores the accuracy, plus noise."""
+    out = {}
+    for s in range(seeds):
+        recs = []
+        for step, wall, acc in points:
+            c = np.full(n_p, acc) + (rng.normal(0, noise, n_p) if noise else 0.0)
+            recs.append({"step": step, "wallclock_s": wall * (1 + 0.01 * s), "correct": c.tolist()})
+        out[1234 + s] = recs
+    return out
+
+
+def test_time_to_target_interpolates_between_sparse_eval_points():
+    # A: 0.2 -> 0.6 over 100 s, evaluated every 50 s; B: 0.2 -> 0.4 over 200 s, evaluated every 100 s.
+    a = _arm([(0, 0, 0.2), (6, 50, 0.4), (12, 100, 0.6)], seeds=1)
+    b = _arm([(0, 0, 0.2), (4, 100, 0.3), (8, 200, 0.4)], seeds=1)
+    half, full = time_to_target([a, b], 0.5), time_to_target([a, b], 1.0)
+    assert half.target == pytest.approx(0.3) and full.target == pytest.approx(0.4)
+    # 'first eval point at or above' would say A: 50 s for both targets; the interpolated crossing is 25 s / 50 s.
+    assert [t.time for t in half.times] == pytest.approx([25.0, 100.0])
+    assert [t.time for t in full.times] == pytest.approx([50.0, 200.0])
+    assert full.ratio(0, 1).time == pytest.approx(0.25)
+    # identical prompts and one seed: nothing to resample, the interval is the point
+    assert (full.times[0].lo, full.times[0].hi) == pytest.approx((50.0, 50.0))
+
+
+def test_time_to_target_interval_covers_the_point_and_separates_a_real_speedup():
+    rng = np.random.default_rng(0)
+    fast = _arm([(0, 0, 0.2), (6, 60, 0.45), (12, 120, 0.55), (18, 180, 0.6)], n_p=32, noise=0.15, rng=rng)
+    slow = _arm([(0, 0, 0.2), (6, 120, 0.35), (12, 240, 0.5), (18, 360, 0.6)], n_p=32, noise=0.15, rng=rng)
+    res = time_to_target([fast, slow], 0.5)
+    for t in res.times:
+        assert t.lo <= t.time <= t.hi and np.isfinite(t.hi)
+    r = res.ratio(0, 1)
+    assert r.lo <= r.time <= r.hi < 1.0  # fast reaches the target in well under slow's time
+    assert time_to_target([fast, slow], 0.5).ratio(0, 1) == r  # deterministic given the seed
+    again = time_to_target([slow, fast], 0.5).ratio(1, 0)
+    assert again.time == pytest.approx(r.time)
+
+
+def test_time_to_target_refuses_bad_input():
+    a = _arm([(0, 0, 0.2), (4, 10, 0.5)])
+    with pytest.raises(ValueError, match="fraction"):
+        time_to_target([a], 0.0)
+    with pytest.raises(ValueError, match="prompt counts"):
+        time_to_target([a, _arm([(0, 0, 0.2), (4, 10, 0.5)], n_p=4)], 0.5)
