@@ -284,15 +284,15 @@ def fmt(x, spec: str = ".3f", none: str = "n/a") -> str:
 
 
 @contextmanager
-def figure_panels(out: Path, **subplots_kw) -> Iterator:
-    """matplotlib axes (headless Agg backend) of a 1x2 figure; the figure is laid out, saved to `out` and closed
-    when the block ends."""
+def figure_panels(out: Path, rows: int = 1, **subplots_kw) -> Iterator:
+    """matplotlib axes ([rows, 2], headless Agg backend); the figure is laid out, saved to `out` and closed when the
+    block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80, **subplots_kw)
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 0.4 + 3.2 * rows), dpi=80, squeeze=False, **subplots_kw)
     try:
         yield axes
         fig.tight_layout()

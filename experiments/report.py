@@ -96,20 +96,36 @@ def machine_lines(exp_dir: Path, arms: list[Arm]) -> list[str]:
     ]
 
 
-def plot_curves(exp_dir: Path, arms: list[Arm], out: Path, ylabel: str = "held-out mean@4") -> None:
-    """Accuracy against updates and against wall-clock (mean over seeds), 95% bands over seeds and prompts."""
-    with figure_panels(out, sharey=True) as axes:
-        for arm in arms:
-            per_seed = evals(exp_dir, arm)
-            plot_bands(axes[0], curve(per_seed, "step"), arm.label)
-            plot_bands(axes[1], curve(per_seed, "wallclock_s"), arm.label, x_scale=1 / 60)
-        for ax, xl in zip(axes, ("optimizer updates", "wall-clock (min, held-out eval excluded)")):
-            ax.set_xlabel(xl)
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel(ylabel)
-        for ax in axes:
-            ax.set_title("mean over seeds; band: 95% interval (seeds x held-out prompts)", fontsize=8)
-        axes[0].legend(fontsize=7)
+def plot_curves(exp_dir: Path, groups: list[tuple[str, list[Arm]]], out: Path,
+                ylabel: str = "held-out mean@4") -> None:
+    """Accuracy against updates and against wall-clock (mean over seeds), 95% bands over seeds and prompts: one row
+    of two panels per (title, arms) group that has runs, so overlapping bands stay few enough to read; an arm keeps
+    its colour (its place in the group) whether or not the arms before it have run, and its legend entry says how
+    many seeds it has."""
+    runs = [(title, [(i, arm, evals(exp_dir, arm)) for i, arm in enumerate(arms)]) for title, arms in groups]
+    runs = [(title, [r for r in arms if r[2]]) for title, arms in runs]
+    shown: set[str] = set()
+    kept = []
+    for title, arms in runs:  # a row whose runs all appear in an earlier row adds nothing
+        if {a.name for _, a, _ in arms} - shown:
+            kept.append((title, arms))
+            shown |= {a.name for _, a, _ in arms}
+    runs = kept or [("no finished runs yet", [])]
+    with figure_panels(out, rows=len(runs)) as axes:
+        axes[0, 0].figure.suptitle("mean over seeds; band: 95% interval (bootstrap over seeds x held-out prompts)",
+                                   fontsize=9)
+        for (title, arms), row in zip(runs, axes):
+            for i, arm, per_seed in arms:
+                label = f"{arm.label} ({len(per_seed)} seed{'s' if len(per_seed) > 1 else ''})"
+                plot_bands(row[0], curve(per_seed, "step"), label, color=f"C{i}")
+                plot_bands(row[1], curve(per_seed, "wallclock_s"), label, x_scale=1 / 60, color=f"C{i}")
+            for ax, xl in zip(row, ("optimizer updates", "wall-clock (min, held-out eval excluded)")):
+                ax.set_xlabel(xl)
+                ax.set_ylabel(ylabel)
+                ax.grid(alpha=0.3)
+                ax.set_title(title, fontsize=9, fontweight="bold")
+            if arms:
+                row[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
 
 
 def metric_curve(per_seed: dict[int, list[dict]], key: str) -> list[tuple[float, Interval]]:
@@ -127,7 +143,7 @@ def plot_train_metrics(exp_dir: Path, panels: list[tuple[list[Arm], str, str]], 
     """Two panels of training metrics against updates, one (arms, metric key, y label) each, with bands over seeds:
     what the accuracy curves cannot show (how far off-policy an update was, how much of it was clipped)."""
     with figure_panels(out) as axes:
-        for ax, (arms, key, ylabel) in zip(axes, panels):
+        for ax, (arms, key, ylabel) in zip(axes[0], panels):
             for arm in arms:
                 plot_bands(ax, metric_curve(train_records(exp_dir, arm), key), arm.label)
             ax.set_xlabel("optimizer updates")
