@@ -20,7 +20,7 @@ if (($#)); then  # a selection of the caller's: one session (keys-read, if selec
 fi
 MCORE_RL_CONFIG_READS=$(mktemp -d -t mcore-rl-config-reads-XXXXXX)
 export MCORE_RL_CONFIG_READS
-python -m pytest -q -m "not slow and not gpu" "${parallel[@]}" --ignore=tests/config/test_keys_read.py
+python -m pytest -q -m "not slow and not gpu" "${parallel[@]}" --durations=20 --ignore=tests/config/test_keys_read.py
 rc=$?
 python -m pytest -q -p no:xdist -m "not slow and not gpu" tests/config/test_keys_read.py
 rc_keys=$?

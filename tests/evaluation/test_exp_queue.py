@@ -326,6 +326,9 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     assert text.count(" [0.") + text.count(" [-0.") >= 4  # intervals on before/after cells and the difference
     assert "AMD EPYC, 2 cores (h), model.dtype=bf16; 6 segments" in text
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
+    # the faster-learning arm reaches the common targets sooner at the same wall-clock per update: ratio < 1
+    ratios = [ln for ln in text.splitlines() if " / GRPO mu=4, recompute anchor | " in ln]
+    assert len(ratios) == 2 and all(0.0 < float(ln.split(" | ")[2].split(" [")[0]) < 1.0 for ln in ratios)
 
 
 def test_segments_record_which_kernels_computed_bf16(tmp_path, monkeypatch, caplog):
