@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 OBJECTIVES = ("decoupled", "original")
 # exact route: a keep-rate under this after an update is reported once (the gate, not staleness, is eating the batch)
 LOW_KEEP_RATE = 0.5
+# exact route: the share of tokens with |log d| (at ti_level) within each of these, logged as ti_within_<t>: the
+# engine-trainer noise floor, from which the warning suggests the tightest of these bounds keeping SUGGEST_KEEP
+NOISE_PROBES = (0.005, 0.01, 0.02, 0.05, 0.1)
+SUGGEST_KEEP = 0.9
 # ewma-route keys: null = this default; set with an exact source they are refused (no EWMA exists)
 EWMA_DEFAULTS = {"ewma_beta": 0.75, "auto_reset": True, "reset_keep_rate": 0.5, "reset_clip_frac": 0.5}
 
@@ -136,7 +140,7 @@ class PpoEwmaConfig(AlgorithmConfig):
 class PPOEWMA(Algorithm):
     config_cls = PpoEwmaConfig
     config: PpoEwmaConfig
-    sum_keys = ("ti_kept", "ti_kept_theta", "clip_tok")
+    sum_keys = ("ti_kept", "ti_kept_theta", "clip_tok", *(f"ti_within_{t:g}" for t in NOISE_PROBES))
 
     def __init__(self, config: PpoEwmaConfig) -> None:
         super().__init__(config)
@@ -172,7 +176,10 @@ class PPOEWMA(Algorithm):
             tok_d = log_ratio(anchor, infer, m)
             d = torch.exp(level_log_ratio(tok_d, m, c.ti_level))
             ti_keep = self.gate(tok_d, m, 0.0 if c.exact else self.ewma_age + c.lag_steps)
-            if not c.exact:  # what a reset would give: theta as the anchor, only the tokens' lag to tolerate
+            if c.exact:  # the noise floor: what the gate would keep at other bounds
+                abs_d = level_log_ratio(tok_d, m, c.ti_level).abs()
+                sums.update({f"ti_within_{t:g}": ((abs_d <= t) & (m > 0)).sum() for t in NOISE_PROBES})
+            else:  # what a reset would give: theta as the anchor, only the tokens' lag to tolerate
                 theta_d = log_ratio(batch.logp.detach(), infer, m)
                 sums["ti_kept_theta"] = self.gate(theta_d, m, float(c.lag_steps)).sum()
         metrics = {
@@ -195,7 +202,9 @@ class PPOEWMA(Algorithm):
         n = sums["tok_total"]
         self.last_keep_rate = sums["ti_kept"] / n if n else 1.0
         out = {"ti_keep_rate": self.last_keep_rate, "step_clipfrac": sums["clip_tok"] / n if n else 0.0}
-        if not self.config.exact:
+        if self.config.exact:
+            out.update({f"ti_within_{t:g}": sums[f"ti_within_{t:g}"] / n if n else 1.0 for t in NOISE_PROBES})
+        else:
             out["ti_keep_rate_theta"] = sums["ti_kept_theta"] / n if n else 1.0
         return out
 
@@ -208,7 +217,7 @@ class PPOEWMA(Algorithm):
         c = self.config
         rate = metrics.get("ti_keep_rate", self.last_keep_rate)
         if c.exact:
-            self._warn_low_keep(rate)
+            self._warn_low_keep(rate, metrics)
             return StepDecision()
         starved = metrics.get("step_clipfrac", 0.0) >= c.reset_clip_frac
         theta_rate = metrics.get("ti_keep_rate_theta", 0.0)
@@ -220,17 +229,25 @@ class PPOEWMA(Algorithm):
         return StepDecision(reset_ewma=reset, metrics={"ewma_reset": float(reset), "ewma_age": self.ewma_age,
                                                        "ewma_resets_total": float(self.num_resets)})
 
-    def _warn_low_keep(self, rate: float | None) -> None:
+    def _warn_low_keep(self, rate: float | None, metrics: dict[str, float]) -> None:
         """On the exact route d compares engine and trainer at the same weights, so a low keep-rate is their
         numerical disagreement, not staleness: in bf16 (per-token |log d| ~0.03 on CPU) the default gate on
-        ~20-token answers keeps about a third of the sequences. Said once, with the keys that widen it."""
+        ~20-token answers keeps about a third of the sequences. Said once, with the keep-rate this update's tokens
+        would have had at wider bounds and the tightest of those that keeps SUGGEST_KEEP of them."""
         c = self.config
         if rate is None or rate >= LOW_KEEP_RATE or self._warned_low_keep:
             return
         self._warned_low_keep = True
+        within = {t: metrics[f"ti_within_{t:g}"] for t in NOISE_PROBES if f"ti_within_{t:g}" in metrics}
+        floor = ", ".join(f"{t:g}: {v:.2f}" for t, v in within.items())
+        fit = [t for t, v in within.items() if v >= SUGGEST_KEEP]
+        advice = (f"algorithm.ti_low={math.exp(-fit[0]):.4g} algorithm.ti_high={math.exp(fit[0]):.4g} would have kept "
+                  f"{within[fit[0]]:.2f}" if fit else f"no bound up to |log d| {NOISE_PROBES[-1]:g} keeps "
+                  f"{SUGGEST_KEEP:g} of them: engine and trainer disagree beyond rounding (check model.dtype and "
+                  "the weight sync)")
         log.warning(
             "ppo_ewma: the Train-Infer Mask kept %.2f of the tokens this update (exact old logits: engine vs "
-            "trainer at the same weights, gate [%g, %g] at ti_level=%s); the rest train nothing. Where that is "
-            "the dtype's rounding (bf16), widen algorithm.ti_low / algorithm.ti_high (docs/algorithms.md)",
-            rate, c.ti_low, c.ti_high, c.ti_level,
+            "trainer at the same weights, gate [%g, %g] at ti_level=%s); the rest train nothing. Share of tokens "
+            "with |log d| within {%s}; %s (docs/algorithms.md)",
+            rate, c.ti_low, c.ti_high, c.ti_level, floor, advice,
         )  # fmt: skip

@@ -166,15 +166,37 @@ def test_recompute_is_refused(objective):
 
 def test_exact_route_says_once_when_the_gate_drops_most_tokens(caplog):
     """Engine and trainer disagreeing by more than the gate at the same weights (bf16 rounding): one warning
-    naming the keys that widen it, not one per update; a gate that keeps everything says nothing."""
+    naming the bounds that would have kept most tokens, not one per update; a gate that keeps everything says
+    nothing."""
     alg = build("ppo_ewma", old_logp_source="snapshot", **ASYNC2)
     with caplog.at_level("WARNING", logger="mcore_rl.algorithms.ppo_ewma"):
         res = step(alg, shifted(old=0.0, theta=0.0))                  # d = 1: kept
         alg.after_optimizer_step(res.step_metrics)
         assert res.step_metrics["ti_keep_rate"] == 1.0 and not caplog.records
         for _ in range(2):
-            res = step(alg, shifted(old=0.02, theta=0.02))           # log d = 0.02 > log 1.005: all masked
+            res = step(alg, shifted(old=0.015, theta=0.015))         # log d = 0.015 > log 1.005: all masked
             alg.after_optimizer_step(res.step_metrics)
     assert res.step_metrics["ti_keep_rate"] == 0.0
+    assert [res.step_metrics[f"ti_within_{t}"] for t in ("0.005", "0.01", "0.02", "0.05")] == [0.0, 0.0, 1.0, 1.0]
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and "kept 0.00 of the tokens" in msgs[0] and "algorithm.ti_low / algorithm.ti_high" in msgs[0]
+    assert len(msgs) == 1 and "kept 0.00 of the tokens" in msgs[0]
+    assert "algorithm.ti_low=0.9802 algorithm.ti_high=1.02 would have kept 1.00" in msgs[0]
+
+
+def test_noise_floor_shares_are_what_the_gate_would_keep_at_those_bounds(caplog):
+    """ti_within_<t> = the keep-rate of a symmetric gate [e^-t, e^t] on the same tokens (random log d per row);
+    a disagreement beyond every probe is called what it is, not rounding."""
+    ro = make_rollout(seed=3, veto_tokens=0)
+    ro.old_logp = ro.rollout_logp + 0.03 * torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(1),
+                                                        dtype=D)
+    for t in (0.005, 0.01, 0.02, 0.05):
+        probe = build("ppo_ewma", old_logp_source="snapshot", ti_level="token", ti_low=0.0, ti_high=1.0)
+        at_t = build("ppo_ewma", old_logp_source="snapshot", ti_level="token", ti_low=math.exp(-t),
+                     ti_high=math.exp(t))
+        got = run_step(probe, ro).step_metrics[f"ti_within_{t:g}"]
+        assert 0.0 < got < 1.0
+        assert got == pytest.approx(run_step(at_t, ro).step_metrics["ti_keep_rate"], abs=1e-9)
+    alg = build("ppo_ewma", old_logp_source="snapshot", **ASYNC2)
+    with caplog.at_level("WARNING", logger="mcore_rl.algorithms.ppo_ewma"):
+        alg.after_optimizer_step(step(alg, shifted(old=0.3, theta=0.3)).step_metrics)
+    assert "engine and trainer disagree beyond rounding" in caplog.records[0].getMessage()

@@ -62,6 +62,7 @@ def test_async_k2_keeps_learning(batch, source):
     assert gen["overlapped"] and gen["tokens_per_s"] is None  # the trainer's wait is not the engine's rate
     if source == "snapshot":  # exact: fp32 engine and trainer agree to rounding, d = pi_old / pi_infer = 1
         assert all(r["ti_keep_rate"] == 1.0 and abs(r["ti_ratio_mean"] - 1) < 1e-5 for r in recs.values())
+        assert all(r["ti_within_0.005"] == 1.0 for r in recs.values())  # the noise floor, logged every update
         assert all(r["old_logp_error_max"] < 1e-5 for r in stale)  # pi_old to fp32 rounding (audit layout)
         assert all("ewma_reset" not in r and "ewma_age" not in r for r in recs.values())  # no EWMA kept
         assert max(r["pg_clipfrac"] for r in stale) > 0                            # staleness shows in s
