@@ -21,11 +21,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from deadline import estimate_s, fits, parse_until
 from plan import MARKER as DONE
 from plan import decide, drop_checkpoints, probe, set_aside, write_marker
 
@@ -283,24 +282,6 @@ def fmt(x, spec: str = ".3f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 
 
-@contextmanager
-def figure_panels(out: Path, rows: int = 1, **subplots_kw) -> Iterator:
-    """matplotlib axes ([rows, 2], headless Agg backend); the figure is laid out, saved to `out` and closed when the
-    block ends."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(rows, 2, figsize=(11, 0.4 + 3.2 * rows), dpi=80, squeeze=False, **subplots_kw)
-    try:
-        yield axes
-        fig.tight_layout()
-        fig.savefig(out)
-    finally:
-        plt.close(fig)
-
-
 def write_results(exp_dir: Path, lines: list[str]) -> None:
     """The report: experiments/<name>/results.md, echoed to stdout."""
     (exp_dir / "results.md").write_text("\n".join(lines))
@@ -359,7 +340,10 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
     ap.add_argument("--dry-run", action="store_true", help="print what each (seed, arm) would do and stop")
     ap.add_argument("--gpu", metavar="MODEL_DIR", default=None,
                     help="the GPU profile (GPU_OVERRIDES) with this HF model folder; runs go to <exp>_gpu/")
+    ap.add_argument("--until", metavar="HH:MM", default=None,
+                    help="start no run expected to end after this time (UTC; deadline.py), then stop as --stop does")
     args = ap.parse_args()
+    until = parse_until(args.until) if args.until else None
     install_stop_handler()
     unknown = sorted(set(args.arms or ()) - {a.name for a in arms})
     if unknown:
@@ -377,10 +361,15 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
             cap = by_name[job.arm].max_seeds
             if cap is not None and job.seed not in seeds[:cap]:
                 continue
+            eta = estimate_s(exp_dir, job.arm, by_name[job.arm].steps, states[(job.arm, job.seed)])
             if args.dry_run:
-                print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason})", flush=True)
+                took = f", ~{eta / 60:.0f} min" if eta is not None and job.action != "skip" else ""
+                print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason}{took})", flush=True)
                 continue
             if stop_requested():
+                break
+            if job.action != "skip" and not fits(f"[{exp}/{job.arm}/seed{job.seed}]", eta, until):
+                _STOP.set()
                 break
             run_arm(exp, by_name[job.arm], job.seed, exp_dir=exp_dir)
             collect(exp_dir, exp, by_name[job.arm], job.seed, train_keys)

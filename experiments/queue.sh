@@ -8,6 +8,8 @@
 # CODE (optional): a frozen copy of the repository whose mcore_rl the arms import (e.g. `git archive HEAD | tar -x
 # -C DIR && git rev-parse --short HEAD > DIR/COMMIT`), so that editing the working tree while the queue runs cannot
 # change (or break) runs not yet started.
+#   UNTIL=17:30 bash experiments/queue.sh       # start no run expected to end after 17:30 UTC (deadline.py), then
+#                                                 # stop as --stop does: the machine is quiet by then
 #   bash experiments/queue.sh --stop             # the running trainer checkpoints and exits, its time is recorded,
 #                                                 # and the queue ends; the same command as before resumes it
 # The whole script is one function, read by bash before it runs: editing this file while a queue runs cannot
@@ -30,7 +32,7 @@ main() {
     # a finished run keeps its records, not its checkpoints (~2 GB each; the full queue would fill a 100 GB disk):
     # MCORE_RL_EXP_DROP_CHECKPOINTS=0 keeps them (needed only to extend a finished arm to more updates)
     export MCORE_RL_EXP_DROP_CHECKPOINTS="${MCORE_RL_EXP_DROP_CHECKPOINTS:-1}"
-    args=(--seeds "${SEEDS:-3}" ${GPU_MODEL:+--gpu "$GPU_MODEL"} "$@")
+    args=(--seeds "${SEEDS:-3}" ${GPU_MODEL:+--gpu "$GPU_MODEL"} ${UNTIL:+--until "$UNTIL"} "$@")
     # Two passes: every experiment's headline arms (what its claim compares: a verdict per paper comes first), then
     # the rest (ablations, k=4, mu=1/4); finished runs are skipped, so the second pass only adds.
     for pass in --headline --all; do

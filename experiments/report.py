@@ -6,10 +6,30 @@ accuracy curves drawn as bands. Numbers come only from experiments/<name>/data/ 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from common import PHASES, Arm, arm_meta, evals, figure_panels, train_records
+from common import PHASES, Arm, arm_meta, evals, train_records
 from stats import Interval, bootstrap_interval, curve, difference_interval, plot_bands, time_to_target
+
+
+@contextmanager
+def figure_panels(out: Path, rows: int = 1, **subplots_kw) -> Iterator:
+    """matplotlib axes ([rows, 2], headless Agg backend); the figure is laid out, saved to `out` and closed when the
+    block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 0.4 + 3.2 * rows), dpi=80, squeeze=False, **subplots_kw)
+    try:
+        yield axes
+        fig.tight_layout()
+        fig.savefig(out)
+    finally:
+        plt.close(fig)
 
 
 def scores_at(per_seed: dict[int, list[dict]], which: str = "last") -> list:
