@@ -181,6 +181,10 @@ def time_to_target_rows(exp_dir: Path, arms: list[Arm], pairs: list[tuple[Arm, A
     if not ran:
         return ["No arm has finished yet."]
     per_arm = [evals(exp_dir, a) for a in ran]
+    base = statistics.fmean(interval_at(p, "first").mean for p in per_arm)
+    low = min(interval_at(p, "last").mean for p in per_arm)
+    if low <= base:
+        return [f"No common target: an arm ended at or below the base accuracy ({low:.3f} <= {base:.3f})."]
     lines = ["Target: the base accuracy plus a fraction of the smallest gain any finished arm made (100%: the "
              "lowest final mean), so every arm's curve reaches it. Time for the arm's mean curve over seeds and "
              "held-out prompts to reach it, interpolated between eval points; 95% interval by bootstrap over seeds "

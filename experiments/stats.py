@@ -136,7 +136,6 @@ def plot_bands(ax, points: list[tuple[float, Interval]], label: str, x_scale: fl
     )
 
 
-
 @dataclass(frozen=True)
 class Crossing:
     """A time (or a ratio of times) and its 95% percentile interval over bootstrap replicates."""
