@@ -99,6 +99,7 @@ TRAIN_KEYS = (
     "old_logp_error_max",
     "old_logp_stale_token_frac",
     "ti_keep_rate",
+    "ti_within_0.02",  # exact route: the engine-trainer noise floor (share of tokens with |log d| <= 0.02)
     "pg_clipfrac",
     "step_clipfrac",
     "ppo_kl",
@@ -158,15 +159,16 @@ def report(exp_dir: Path = HERE) -> None:
         *[row for k in (2, 4) for row in _speed_rows(exp_dir, k, by)],
         "## Anchor health (mean over updates, then over seeds)",
         "",
-        "| arm | TI keep-rate | clip frac | KL to anchor | EWMA age | resets per update |",
-        "|---|---|---|---|---|---|",
+        "| arm | TI keep-rate | tokens with abs(log d) <= 0.02 (exact route) | clip frac | KL to anchor | EWMA age "
+        "| resets per update |",
+        "|---|---|---|---|---|---|---|",
     ]
     for arm in COMPARED:
         lines.append(
             f"| {arm.label} | "
             + " | ".join(
                 _mean_of(exp_dir, arm, k)
-                for k in ("ti_keep_rate", "pg_clipfrac", "ppo_kl", "ewma_age", "ewma_reset")
+                for k in ("ti_keep_rate", "ti_within_0.02", "pg_clipfrac", "ppo_kl", "ewma_age", "ewma_reset")
             )
             + " |"
         )
