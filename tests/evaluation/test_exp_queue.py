@@ -266,13 +266,18 @@ def test_run_arm_resumes_after_a_crash_and_never_reruns_a_finished_arm(tmp_path,
     assert recs[-1]["correct"] == [0.25, 0.75]
 
 
-def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
+def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path, monkeypatch):
     """mu_grpo_vs_grpo's report from a synthetic data/ folder: intervals in the table, a PNG, unfinished seeds
     (no DONE marker) left out."""
     import numpy as np
+    import report
 
     sys.path.insert(0, str(EXP / "mu_grpo_vs_grpo"))
     import run as exp1
+
+    drawn: list[int] = []  # rows of panels per figure
+    panels = report.figure_panels
+    monkeypatch.setattr(report, "figure_panels", lambda out, **kw: drawn.append(kw.get("rows", 1)) or panels(out, **kw))
 
     rng = np.random.default_rng(0)
     for arm, gain in (("mu_grpo", 0.3), ("grpo_mu4", 0.2)):
@@ -326,6 +331,7 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path):
     assert text.count(" [0.") + text.count(" [-0.") >= 4  # intervals on before/after cells and the difference
     assert "AMD EPYC, 2 cores (h), model.dtype=bf16; 6 segments" in text
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
+    assert drawn == [1]  # the ablations' row would hold only Mu-GRPO, already drawn above it: left out
     # the faster-learning arm reaches the common targets sooner at the same wall-clock per update: ratio < 1
     ratios = [ln for ln in text.splitlines() if " / GRPO mu=4, recompute anchor | " in ln]
     assert len(ratios) == 2 and all(0.0 < float(ln.split(" | ")[2].split(" [")[0]) < 1.0 for ln in ratios)
