@@ -154,6 +154,18 @@ def report(exp_dir: Path = HERE) -> None:
             + [(by[f"snapshot_wideti_k{k}"], by[f"snapshot_k{k}"]) for k in (2, 4)],
         ),
         "",
+        "## The claim's pairs: each PPO-EWMA route against each PPO-clip anchor",
+        "",
+        *difference_rows(
+            exp_dir,
+            [
+                (by[f"{a}_k{k}"], by[f"{b}_k{k}"])
+                for k in (2, 4)
+                for a in ("ewma", "snapshot_wideti")
+                for b in ("recompute", "rollout")
+            ],
+        ),
+        "",
         "## Time to a common target (the claim's 'speed'), per staleness bound",
         "",
         *[row for k in (2, 4) for row in _speed_rows(exp_dir, k, by)],
