@@ -120,9 +120,13 @@ def _mean_of(exp_dir: Path, arm: Arm, key: str) -> str:
 def _speed_rows(exp_dir: Path, k: int, by: dict[str, Arm]) -> list[str]:
     """The claim's pairs: each PPO-EWMA route (exact snapshot, EWMA) over each PPO-clip anchor (ratio < 1: faster)."""
     arms = [by[f"{n}_k{k}"] for n in (*ANCHORS, "snapshot_wideti")]
-    pairs = [(by[f"{a}_k{k}"], by[f"{b}_k{k}"]) for a in ("snapshot", "snapshot_wideti", "ewma")
-             for b in ("recompute", "rollout")]
+    pairs = _pairs(by, (k,), ("snapshot", "snapshot_wideti", "ewma"), ("recompute", "rollout"))
     return [f"### async k={k}", "", *time_to_target_rows(exp_dir, arms, pairs), ""]
+
+
+def _pairs(by: dict[str, Arm], ks: tuple[int, ...], firsts: tuple[str, ...], seconds: tuple[str, ...]) -> list:
+    """(first, second) arms at the same staleness bound, for every k, first and second anchor."""
+    return [(by[f"{a}_k{k}"], by[f"{b}_k{k}"]) for k in ks for a in firsts for b in seconds]
 
 
 def report(exp_dir: Path = HERE) -> None:
@@ -144,27 +148,11 @@ def report(exp_dir: Path = HERE) -> None:
         "",
         "## Against the exact snapshot anchor",
         "",
-        *difference_rows(
-            exp_dir,
-            [
-                (by[f"{n}_k{k}"], by[f"snapshot_k{k}"])
-                for k in (2, 4)
-                for n in ("ewma", "recompute", "rollout")
-            ]
-            + [(by[f"snapshot_wideti_k{k}"], by[f"snapshot_k{k}"]) for k in (2, 4)],
-        ),
+        *difference_rows(exp_dir, _pairs(by, (2, 4), ("ewma", "recompute", "rollout", "snapshot_wideti"), ("snapshot",))),
         "",
         "## The claim's pairs: each PPO-EWMA route against each PPO-clip anchor",
         "",
-        *difference_rows(
-            exp_dir,
-            [
-                (by[f"{a}_k{k}"], by[f"{b}_k{k}"])
-                for k in (2, 4)
-                for a in ("ewma", "snapshot_wideti")
-                for b in ("recompute", "rollout")
-            ],
-        ),
+        *difference_rows(exp_dir, _pairs(by, (2, 4), ("ewma", "snapshot_wideti"), ("recompute", "rollout"))),
         "",
         "## Time to a common target (the claim's 'speed'), per staleness bound",
         "",
