@@ -102,6 +102,7 @@ def _sample_load(stop: threading.Event, out: list[float], every: float = 10.0) -
         stop.wait(every)
 
 
+TRAINS = ("start", "resume", "restart")  # the plan actions that launch a trainer (skip and finish do not)
 STOPPED_EXIT = 75  # an experiment's exit code after a stop request: queue.sh stops too (rerun it to resume)
 _STOP = threading.Event()
 _CHILD: list[subprocess.Popen] = []  # the trainer process of the segment running now, if any
@@ -363,12 +364,12 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
                 continue
             eta = estimate_s(exp_dir, job.arm, by_name[job.arm].steps, states[(job.arm, job.seed)])
             if args.dry_run:
-                took = f", ~{eta / 60:.0f} min" if eta is not None and job.action != "skip" else ""
+                took = f", ~{eta / 60:.0f} min" if eta is not None and job.action in TRAINS else ""
                 print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason}{took})", flush=True)
                 continue
             if stop_requested():
                 break
-            if job.action != "skip" and not fits(f"[{exp}/{job.arm}/seed{job.seed}]", eta, until):
+            if job.action in TRAINS and not fits(f"[{exp}/{job.arm}/seed{job.seed}]", eta, until):
                 _STOP.set()
                 break
             run_arm(exp, by_name[job.arm], job.seed, exp_dir=exp_dir)
