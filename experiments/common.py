@@ -362,14 +362,15 @@ def arms_main(doc: str, exp_dir: Path, exp: str, arms: list[Arm], train_keys: tu
             cap = by_name[job.arm].max_seeds
             if cap is not None and job.seed not in seeds[:cap]:
                 continue
-            eta = estimate_s(exp_dir, job.arm, by_name[job.arm].steps, states[(job.arm, job.seed)])
+            trains = job.action in TRAINS  # only a run that launches a trainer needs an estimate
+            eta = estimate_s(exp_dir, job.arm, by_name[job.arm].steps, states[(job.arm, job.seed)]) if trains else None
             if args.dry_run:
-                took = f", ~{eta / 60:.0f} min" if eta is not None and job.action in TRAINS else ""
+                took = f", ~{eta / 60:.0f} min" if eta is not None else ""
                 print(f"seed {job.seed} {job.arm}: {job.action} ({job.reason}{took})", flush=True)
                 continue
             if stop_requested():
                 break
-            if job.action in TRAINS and not fits(f"[{exp}/{job.arm}/seed{job.seed}]", eta, until):
+            if trains and not fits(f"[{exp}/{job.arm}/seed{job.seed}]", eta, until):
                 _STOP.set()
                 break
             run_arm(exp, by_name[job.arm], job.seed, exp_dir=exp_dir)

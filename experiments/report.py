@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 from common import PHASES, Arm, arm_meta, evals, train_records
 from stats import Interval, bootstrap_interval, curve, difference_interval, plot_bands, time_to_target
 
@@ -122,15 +123,13 @@ def plot_curves(exp_dir: Path, groups: list[tuple[str, list[Arm]]], out: Path,
     of two panels per (title, arms) group that has runs, so overlapping bands stay few enough to read; an arm keeps
     its colour (its place in the group) whether or not the arms before it have run, and its legend entry says how
     many seeds it has."""
-    runs = [(title, [(i, arm, evals(exp_dir, arm)) for i, arm in enumerate(arms)]) for title, arms in groups]
-    runs = [(title, [r for r in arms if r[2]]) for title, arms in runs]
-    shown: set[str] = set()
-    kept = []
-    for title, arms in runs:  # a row whose runs all appear in an earlier row adds nothing
-        if {a.name for _, a, _ in arms} - shown:
-            kept.append((title, arms))
-            shown |= {a.name for _, a, _ in arms}
-    runs = kept or [("no finished runs yet", [])]
+    runs, shown = [], set()
+    for title, arms in groups:  # a row whose runs all appear in an earlier row adds nothing
+        ran = [(i, arm, per_seed) for i, arm in enumerate(arms) if (per_seed := evals(exp_dir, arm))]
+        if {arm.name for _, arm, _ in ran} - shown:
+            runs.append((title, ran))
+            shown |= {arm.name for _, arm, _ in ran}
+    runs = runs or [("no finished runs yet", [])]
     with figure_panels(out, rows=len(runs)) as axes:
         axes[0, 0].figure.suptitle("mean over seeds; band: 95% interval (bootstrap over seeds x held-out prompts)",
                                    fontsize=9)
@@ -177,12 +176,15 @@ def time_to_target_rows(exp_dir: Path, arms: list[Arm], pairs: list[tuple[Arm, A
                         fractions: tuple[float, ...] = (0.5, 1.0)) -> list[str]:
     """Wall-clock and CPU time for each finished arm's mean curve to reach common targets, and the time ratios of
     arm pairs, with 95% intervals (stats.time_to_target)."""
-    ran = [a for a in arms if evals(exp_dir, a)]
+    ran, per_arm = [], []
+    for arm in arms:
+        if per_seed := evals(exp_dir, arm):
+            ran.append(arm)
+            per_arm.append(per_seed)
     if not ran:
         return ["No arm has finished yet."]
-    per_arm = [evals(exp_dir, a) for a in ran]
-    base = statistics.fmean(interval_at(p, "first").mean for p in per_arm)
-    low = min(interval_at(p, "last").mean for p in per_arm)
+    base = statistics.fmean(float(np.mean(scores_at(p, "first"))) for p in per_arm)
+    low = min(float(np.mean(scores_at(p, "last"))) for p in per_arm)
     if low <= base:
         return [f"No common target: an arm ended at or below the base accuracy ({low:.3f} <= {base:.3f})."]
     lines = ["Target: the base accuracy plus a fraction of the smallest gain any finished arm made (100%: the "

@@ -103,6 +103,17 @@ def difference_interval(
     return Interval(float(a.mean() - b.mean()), float(lo), float(hi), min(a.shape[0], b.shape[0]), n_p)
 
 
+def _common_rows(per_seed: dict[int, list[dict]]) -> list[list[dict]]:
+    """Per step that every seed reached (in order): each seed's eval record at that step."""
+    by_step = [{r["step"]: r for r in recs} for recs in per_seed.values()]
+    return [[d[s] for d in by_step] for s in sorted(set.intersection(*(set(d) for d in by_step)))]
+
+
+def _per_prompt(rows: list[dict]) -> bool:
+    """Whether the records carry per-prompt correctness over the same prompts (else: mean@k per seed)."""
+    return all("correct" in r for r in rows) and len({len(r["correct"]) for r in rows}) == 1
+
+
 def curve(
     per_seed: dict[int, list[dict]], x_key: str = "step", reps: int = 4000, seed: int = 0
 ) -> list[tuple[float, Interval]]:
@@ -111,12 +122,9 @@ def curve(
     reached; x is the mean of `x_key` over the seeds at that step (updates are equal, wall-clock is not)."""
     if not per_seed:
         return []
-    by_step = [{r["step"]: r for r in recs} for recs in per_seed.values()]
-    common = sorted(set.intersection(*(set(d) for d in by_step)))
     out = []
-    for step in common:
-        rows = [d[step] for d in by_step]
-        if all("correct" in r for r in rows) and len({len(r["correct"]) for r in rows}) == 1:
+    for rows in _common_rows(per_seed):
+        if _per_prompt(rows):
             scores = np.array([r["correct"] for r in rows], dtype=float)
         else:
             scores = np.array([r["mean_at_k"] for r in rows], dtype=float)
@@ -151,11 +159,8 @@ class Crossing:
 def _curve_arrays(per_seed: dict[int, list[dict]], x_key: str) -> tuple[np.ndarray, np.ndarray]:
     """scores [steps, seeds, prompts] and x [steps, seeds] at the steps every seed reached (per-prompt fractions
     correct where every record has them, else each seed's mean@k as a single 'prompt')."""
-    by_step = [{r["step"]: r for r in recs} for recs in per_seed.values()]
-    common = sorted(set.intersection(*(set(d) for d in by_step)))
-    rows = [[d[s] for d in by_step] for s in common]
-    flat = [r for row in rows for r in row]
-    per_prompt = all("correct" in r for r in flat) and len({len(r["correct"]) for r in flat}) == 1
+    rows = _common_rows(per_seed)
+    per_prompt = _per_prompt([r for row in rows for r in row])
     scores = np.array([[r["correct"] if per_prompt else [r["mean_at_k"]] for r in row] for row in rows], dtype=float)
     return scores, np.array([[r[x_key] for r in row] for row in rows], dtype=float)
 

@@ -174,11 +174,11 @@ class PPOEWMA(Algorithm):
         sums: dict[str, Tensor] = {"clip_tok": (clip_active & (m > 0)).sum()}
         with torch.no_grad():
             tok_d = log_ratio(anchor, infer, m)
-            d = torch.exp(level_log_ratio(tok_d, m, c.ti_level))
+            log_d = level_log_ratio(tok_d, m, c.ti_level)
+            d = torch.exp(log_d)
             ti_keep = self.gate(tok_d, m, 0.0 if c.exact else self.ewma_age + c.lag_steps)
             if c.exact:  # the noise floor: what the gate would keep at other bounds
-                abs_d = level_log_ratio(tok_d, m, c.ti_level).abs()
-                sums.update({f"ti_within_{t:g}": ((abs_d <= t) & (m > 0)).sum() for t in NOISE_PROBES})
+                sums.update({f"ti_within_{t:g}": ((log_d.abs() <= t) & (m > 0)).sum() for t in NOISE_PROBES})
             else:  # what a reset would give: theta as the anchor, only the tokens' lag to tolerate
                 theta_d = log_ratio(batch.logp.detach(), infer, m)
                 sums["ti_kept_theta"] = self.gate(theta_d, m, float(c.lag_steps)).sum()
