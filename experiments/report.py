@@ -96,6 +96,23 @@ def difference_rows(exp_dir: Path, pairs: list[tuple[Arm, Arm]]) -> list[str]:
     return lines
 
 
+def _dtype(segment: dict) -> str:
+    dtypes = [c.split("=", 1)[1] for c in segment.get("command", []) if c.startswith("model.dtype=")]
+    return dtypes[-1] if dtypes else "?"
+
+
+def machine_kind(segment: dict) -> str:
+    """The machine a segment's wall-clock and CPU-seconds belong to: CPU model, cores and model.dtype (the host
+    name and the load do not make another kind). Times compare only within one kind: the queue runs over several
+    days on whichever machine it lands, and two CPU models can differ by their bf16 kernels alone."""
+    return f"{segment.get('cpu_model', '?')}, {segment.get('cpu_count', '?')} cores, model.dtype={_dtype(segment)}"
+
+
+def arm_machines(exp_dir: Path, arm: Arm) -> set[str]:
+    """The machine kinds an arm's finished runs ran on (more than one: its wall-clock mean mixes machines)."""
+    return {machine_kind(s) for meta in arm_meta(exp_dir, arm).values() for s in meta["segments"]}
+
+
 def machine_lines(exp_dir: Path, arms: list[Arm]) -> list[str]:
     """Which machine(s) the segments ran on, in which dtype, and how loaded the machine was: wall-clock comparisons
     depend on all three."""
@@ -103,10 +120,9 @@ def machine_lines(exp_dir: Path, arms: list[Arm]) -> list[str]:
     for arm in arms:
         for meta in arm_meta(exp_dir, arm).values():
             for s in meta["segments"]:
-                dtypes = [c.split("=", 1)[1] for c in s.get("command", []) if c.startswith("model.dtype=")]
                 route = {"fp32 GEMM": " (bf16 products through fp32 GEMMs)"}.get(s.get("bf16_matmul"), "")
                 key = (f"{s.get('cpu_model', '?')}, {s.get('cpu_count', '?')} cores ({s.get('host', '?')}), "
-                       f"model.dtype={dtypes[-1] if dtypes else '?'}{route}")
+                       f"model.dtype={_dtype(s)}{route}")
                 seen.setdefault(key, []).append(s["load_mean"])
     if not seen:
         return ["Machine: no runs recorded yet."]
@@ -138,11 +154,13 @@ def plot_curves(exp_dir: Path, groups: list[tuple[str, list[Arm]]], out: Path,
                 label = f"{arm.label} ({len(per_seed)} seed{'s' if len(per_seed) > 1 else ''})"
                 plot_bands(row[0], curve(per_seed, "step"), label, color=f"C{i}")
                 plot_bands(row[1], curve(per_seed, "wallclock_s"), label, x_scale=1 / 60, color=f"C{i}")
-            for ax, xl in zip(row, ("optimizer updates", "wall-clock (min, held-out eval excluded)")):
+            n_kinds = len(set().union(*(arm_machines(exp_dir, arm) for _, arm, _ in arms)))
+            mixed = f" ({n_kinds} machine kinds: compare in updates)" if n_kinds > 1 else ""
+            for ax, xl, note in zip(row, ("optimizer updates", "wall-clock (min, held-out eval excluded)"), ("", mixed)):
                 ax.set_xlabel(xl)
                 ax.set_ylabel(ylabel)
                 ax.grid(alpha=0.3)
-                ax.set_title(title, fontsize=9, fontweight="bold")
+                ax.set_title(title + note, fontsize=9, fontweight="bold")
             if arms:
                 row[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
 
@@ -174,8 +192,10 @@ def plot_train_metrics(exp_dir: Path, panels: list[tuple[list[Arm], str, str]], 
 
 def time_to_target_rows(exp_dir: Path, arms: list[Arm], pairs: list[tuple[Arm, Arm]],
                         fractions: tuple[float, ...] = (0.5, 1.0)) -> list[str]:
-    """Wall-clock and CPU time for each finished arm's mean curve to reach common targets, and the time ratios of
-    arm pairs, with 95% intervals (stats.time_to_target)."""
+    """Wall-clock, CPU time and compute (FLOPs) for each finished arm's mean curve to reach common targets, and the
+    ratios of arm pairs, with 95% intervals (stats.time_to_target). Wall and CPU ratios only between arms that ran
+    on one machine kind: the queue lands on different machines over its days, and a ratio across them would
+    measure the machines. FLOPs compare across machines."""
     ran, per_arm = [], []
     for arm in arms:
         if per_seed := evals(exp_dir, arm):
@@ -187,21 +207,34 @@ def time_to_target_rows(exp_dir: Path, arms: list[Arm], pairs: list[tuple[Arm, A
     low = min(float(np.mean(scores_at(p, "last"))) for p in per_arm)
     if low <= base:
         return [f"No common target: an arm ended at or below the base accuracy ({low:.3f} <= {base:.3f})."]
+    kinds = [arm_machines(exp_dir, a) for a in ran]
+    letter = {k: chr(ord("A") + i) for i, k in enumerate(sorted(set().union(*kinds)))}
     lines = ["Target: the base accuracy plus a fraction of the smallest gain any finished arm made (100%: the "
              "lowest final mean), so every arm's curve reaches it. Time for the arm's mean curve over seeds and "
              "held-out prompts to reach it, interpolated between eval points; 95% interval by bootstrap over seeds "
-             "and prompts, target recomputed per replicate. Wall and CPU exclude held-out evaluation.", "",
-             "| target | arm | wall (min) [95%] | CPU (min) [95%] |", "|---|---|---|---|"]
+             "and prompts, target recomputed per replicate. Wall and CPU exclude held-out evaluation; compute is "
+             "the FLOPs spent (generation, scoring and training), the same on any machine.", "",
+             "| target | arm | machine | wall (min) [95%] | CPU (min) [95%] | compute (TFLOP) [95%] |",
+             "|---|---|---|---|---|---|"]
     idx = {a.name: i for i, a in enumerate(ran)}
     ratio_rows = []
     for f in fractions:
         wall, cpu = time_to_target(per_arm, f, "wallclock_s"), time_to_target(per_arm, f, "cpu_s")
+        flops = time_to_target(per_arm, f, "flops")
         label = f"{f:.0%} of the gain ({wall.target:.3f})"
-        lines += [f"| {label} | {a.label} | {wall.times[i].cell(1 / 60)} | {cpu.times[i].cell(1 / 60)} |"
+        lines += [f"| {label} | {a.label} | {'+'.join(sorted(letter[k] for k in kinds[i]))} | "
+                  f"{wall.times[i].cell(1 / 60)} | {cpu.times[i].cell(1 / 60)} | {flops.times[i].cell(1e-12, '.0f')} |"
                   for i, a in enumerate(ran)]
-        ratio_rows += [f"| {label} | {a.label} / {b.label} | {wall.ratio(idx[a.name], idx[b.name]).cell(spec='.2f')} "
-                       f"| {cpu.ratio(idx[a.name], idx[b.name]).cell(spec='.2f')} |"
-                       for a, b in pairs if a.name in idx and b.name in idx]
+        for a, b in pairs:
+            if a.name not in idx or b.name not in idx:
+                continue
+            i, j = idx[a.name], idx[b.name]
+            same = len(kinds[i]) == 1 and kinds[i] == kinds[j]
+            times = (f"{wall.ratio(i, j).cell(spec='.2f')} | {cpu.ratio(i, j).cell(spec='.2f')}" if same
+                     else "n/a (different machines) | n/a (different machines)")
+            ratio_rows.append(f"| {label} | {a.label} / {b.label} | {times} | {flops.ratio(i, j).cell(spec='.2f')} |")
+    lines += ["", "Machines: " + "; ".join(f"{v} = {k}" for k, v in letter.items()) + "."]
     if ratio_rows:
-        lines += ["", "| target | time ratio | wall [95%] | CPU [95%] |", "|---|---|---|---|", *ratio_rows]
+        lines += ["", "| target | ratio | wall [95%] | CPU [95%] | compute [95%] |", "|---|---|---|---|---|",
+                  *ratio_rows]
     return lines

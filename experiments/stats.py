@@ -191,13 +191,18 @@ class TargetTimes:
     level: float
 
     def ratio(self, a: int, b: int) -> Crossing:
-        """Arm a's time over arm b's, with the interval from the same replicates (prompts drawn jointly)."""
-        return _crossing(self.point[a] / self.point[b], self.replicates[:, a] / self.replicates[:, b], self.level)
+        """Arm a's time over arm b's, with the interval from the same replicates (prompts drawn jointly). A
+        replicate where both curves start at or above the target (0 / 0 at step 0 in FLOPs) has no ratio and is
+        left out of the interval."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            point = self.point[a] / self.point[b]
+            reps = self.replicates[:, a] / self.replicates[:, b]
+        return _crossing(float(point), reps[~np.isnan(reps)], self.level)
 
 
 def _crossing(point: float, reps: np.ndarray, level: float) -> Crossing:
     alpha = (1.0 - level) / 2.0
-    lo, hi = np.quantile(reps, [alpha, 1.0 - alpha])
+    lo, hi = np.quantile(reps, [alpha, 1.0 - alpha]) if reps.size else (np.nan, np.nan)
     return Crossing(float(point), float(lo), float(hi))
 
 

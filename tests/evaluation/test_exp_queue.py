@@ -335,6 +335,20 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path, monkeypatch):
     # the faster-learning arm reaches the common targets sooner at the same wall-clock per update: ratio < 1
     ratios = [ln for ln in text.splitlines() if " / GRPO mu=4, recompute anchor | " in ln]
     assert len(ratios) == 2 and all(0.0 < float(ln.split(" | ")[2].split(" [")[0]) < 1.0 for ln in ratios)
+    assert all(0.0 < float(ln.split(" | ")[4].split(" [")[0]) < 1.0 for ln in ratios)  # and in FLOPs
+    assert "Machines: A = AMD EPYC, 2 cores, model.dtype=bf16." in text
+
+    # GRPO's runs on another machine: its wall-clock and CPU time say nothing about the algorithms, FLOPs still do
+    for meta in (tmp_path / "data" / "grpo_mu4").glob("*.arm.json"):
+        meta.write_text(meta.read_text().replace("AMD EPYC", "Intel Xeon"))
+    exp1.report(tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    ratios = [ln for ln in text.splitlines() if " / GRPO mu=4, recompute anchor | " in ln]
+    assert len(ratios) == 2 and all(ln.count("n/a (different machines)") == 2 for ln in ratios)
+    assert all(0.0 < float(ln.split(" | ")[4].split(" [")[0]) < 1.0 for ln in ratios)
+    assert "A = AMD EPYC, 2 cores, model.dtype=bf16; B = Intel Xeon, 2 cores, model.dtype=bf16" in text
+    assert any(ln.startswith("| 100% of the gain") and "| GRPO mu=4, recompute anchor | B |" in ln
+               for ln in text.splitlines())
 
 
 def test_segments_record_which_kernels_computed_bf16(tmp_path, monkeypatch, caplog):

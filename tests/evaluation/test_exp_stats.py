@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 
-from stats import bootstrap_interval, curve, difference_interval, time_to_target  # noqa: E402
+from stats import TargetTimes, bootstrap_interval, curve, difference_interval, time_to_target  # noqa: E402
 
 
 def _crossed(rng: np.random.Generator, n_s: int, n_p: int, mu: float = 0.4) -> np.ndarray:
@@ -150,3 +150,13 @@ def test_time_to_target_refuses_bad_input():
         time_to_target([a], 0.0)
     with pytest.raises(ValueError, match="prompt counts"):
         time_to_target([a, _arm([(0, 0, 0.2), (4, 10, 0.5)], n_p=4)], 0.5)
+
+
+def test_ratio_leaves_out_replicates_without_one():
+    """Both curves at the target from the first eval (0 / 0: FLOPs are 0 there) is no ratio, not a NaN bound."""
+    reps = np.array([[0.0, 0.0], [1.0, 2.0], [3.0, 4.0], [2.0, 2.0]])
+    res = TargetTimes(0.3, [], reps, np.array([1.0, 2.0]), 0.95)
+    r = res.ratio(0, 1)
+    assert r.time == 0.5 and 0.5 <= r.lo < r.hi <= 1.0
+    empty = TargetTimes(0.3, [], reps[:1], np.array([0.0, 0.0]), 0.95).ratio(0, 1)
+    assert np.isnan(empty.time) and np.isnan(empty.lo)
