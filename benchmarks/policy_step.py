@@ -137,9 +137,10 @@ def measure(a, name: str, head: str) -> dict:
     from mcore_rl.policy.step import PolicyBatch
 
     n_tok = a.batch * a.seq
-    from mcore_rl.trainer.setup import resolve_compile
+    from mcore_rl.trainer.setup import resolve_compile, resolve_head_compile
 
-    # "bf16": the element-wise ops as the trainer builds them (model.compile=auto: compiled on CPU, eager on CUDA);
+    # "bf16": the element-wise ops as the trainer builds them (model.compile=auto: compiled on CPU; on CUDA the
+    # layers' ops eager and the LM head's log-prob kernels compiled);
     # "bf16-eager" / "bf16-compiled": forced either way (compat/fused_ops.py), for the side-by-side gain;
     # "bf16-fp32gemm": bf16 products through fp32 GEMMs (compat/bf16_matmul.py, model.bf16_matmul=fp32)
     base, _, mode = name.partition("-")
@@ -149,7 +150,8 @@ def measure(a, name: str, head: str) -> dict:
         from mcore_rl.compat import bf16_matmul
 
         bf16_matmul.enable()
-    build = BuildConfig(dtype=base, compile=resolve_compile(setting, cuda=a.device == "cuda"))
+    build = BuildConfig(dtype=base, compile=resolve_compile(setting, cuda=a.device == "cuda"),
+                        compile_head=resolve_head_compile(setting))
     policy = Policy(a.folder, PolicyConfig(build=build, token_budget=n_tok))
     policy.load_hf(a.folder)
     args = policy.args

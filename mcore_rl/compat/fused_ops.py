@@ -13,7 +13,8 @@ until dynamo's limit of 8, then ran eager): one graph per grad mode and batch-1 
 
 fp32 models keep Megatron's eager modules untouched (the exactness tests compare them to transformers at
 ~1e-5). On CUDA `model.compile=auto` leaves them eager too: there the GPU runs eager element-wise kernels fast and
-the compiled calls' host-side cost made a bf16 step slower (trainer/setup.resolve_compile).
+the compiled calls' host-side cost made a bf16 step slower (trainer/setup.resolve_compile), except in the LM head's
+log-prob kernels, a few calls over GiB chunks, which compile there too (`head_compile_enabled`).
 `model.compile=false` (BuildConfig.compile; `set_compile`) turns the fused path off for the process:
 the model's norms/MLPs, RoPE and the log-softmax all run eager (debugging, or bitwise Megatron in bf16). A machine
 without a C++ compiler needs no switch: it falls back to eager by itself, with one warning.
@@ -34,16 +35,23 @@ _BROKEN: dict[str, str] = {}  # function name -> why compiling it failed (it run
 _COMPILED_CALLS: dict[str, int] = {}  # function name -> calls that ran the compiled version
 # process-wide like the Megatron RoPE hook it guards (compat/rope.py); set from model.compile by build_gpt_model
 _ENABLED = True
+_HEAD_ENABLED = True  # the LM head's log-prob kernels (policy/chunked_head.py, policy/logprobs.py)
 
 
-def set_compile(enabled: bool) -> None:
-    """model.compile: the compiled element-wise ops (True, the default) or eager PyTorch everywhere (False)."""
-    global _ENABLED
+def set_compile(enabled: bool, head: bool | None = None) -> None:
+    """model.compile: the compiled element-wise ops (True, the default) or eager PyTorch (False); `head` (default:
+    as `enabled`) switches the LM head's log-prob kernels on their own (trainer/setup.resolve_head_compile)."""
+    global _ENABLED, _HEAD_ENABLED
     _ENABLED = bool(enabled)
+    _HEAD_ENABLED = bool(enabled if head is None else head)
 
 
 def compile_enabled() -> bool:
     return _ENABLED
+
+
+def head_compile_enabled() -> bool:
+    return _HEAD_ENABLED
 
 
 def fallbacks() -> dict[str, str]:
@@ -57,12 +65,13 @@ def compiled_calls() -> dict[str, int]:
     return dict(_COMPILED_CALLS)
 
 
-def _compiled(fn: Callable) -> Callable:
-    """torch.compile(fn), falling back to eager fn (once, logged) if compilation fails on this machine."""
+def _compiled(fn: Callable, enabled: Callable[[], bool] = compile_enabled) -> Callable:
+    """torch.compile(fn), falling back to eager fn (once, logged) if compilation fails on this machine; eager
+    whenever `enabled()` (its switch, read at each call) is off."""
     compiled = torch.compile(fn, dynamic=True)
 
     def call(*args, **kwargs):
-        if fn.__name__ in _BROKEN or not compile_enabled():
+        if fn.__name__ in _BROKEN or not enabled():
             return fn(*args, **kwargs)
         try:
             out = compiled(*args, **kwargs)

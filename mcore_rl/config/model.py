@@ -94,8 +94,8 @@ class ModelConfig:
     # bf16 on a CPU without bf16 matrix hardware: auto (fp32 GEMMs of the bf16 operands where torch's native bf16
     # matmul is slower, measured) | fp32 (always) | native (torch's bf16 kernels); compat/bf16_matmul.py
     bf16_matmul: str = "auto"
-    # bf16/fp16 element-wise ops in the trainer: auto (compiled on CPU, eager on CUDA: measured faster each) | true
-    # (torch.compile'd) | false (eager)
+    # bf16/fp16 element-wise ops in the trainer: auto (compiled on CPU; on CUDA the layers' ops eager and the LM
+    # head's log-prob kernels compiled: measured faster each) | true (torch.compile'd) | false (eager everywhere)
     compile: str = "auto"
     load_check: LoadCheckConfig = field(default_factory=LoadCheckConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)

@@ -38,6 +38,9 @@ class BuildConfig:
     # bf16/fp16: torch.compile the element-wise ops (compat/fused_ops.py); False = eager PyTorch (model.compile,
     # resolved per device by trainer/setup.resolve_compile)
     compile: bool = True
+    # the LM head's log-prob kernels (policy/chunked_head.py, policy/logprobs.py): compiled wherever model.compile
+    # is not false, on CUDA too, where the layers' ops run eager (trainer/setup.resolve_head_compile); None: as compile
+    compile_head: bool | None = None
 
 
 def te_available() -> bool:

@@ -84,7 +84,8 @@ def build_gpt_model(
     model.lm_head_fp32 = build.lm_head_fp32  # read by the scored-token LM head (policy/step.py)
     from mcore_rl.compat import fused_ops
 
-    fused_ops.set_compile(build.compile)  # also RoPE (compat/rope.py) and the log-softmax (policy/logprobs.py)
+    # also RoPE (compat/rope.py); the LM head's log-prob kernels follow their own switch
+    fused_ops.set_compile(build.compile, head=build.compile_head)
     if (config.bf16 or config.fp16) and impl == "local":
         # compiled RMSNorm / SwiGLU (RoPE and the log-softmax follow the dtype by themselves); fp32 stays eager
         model.fused_ops = fused_ops.fuse_model(model)

@@ -168,14 +168,16 @@ _COMPILED: dict[str, object] = {}
 
 
 def _kernels(dtype: torch.dtype, n_vocab: int, hidden: int):
-    """(stats, grad) per-chunk functions: compiled (one fused loop each) unless `model.compile=false`."""
-    from mcore_rl.compat.fused_ops import _compiled, compile_enabled
+    """(stats, grad) per-chunk functions: compiled (one fused loop each) unless `model.compile=false`; on CUDA too,
+    where `auto` runs the layers' element-wise ops eager (trainer/setup.resolve_head_compile)."""
+    from mcore_rl.compat.fused_ops import _compiled, head_compile_enabled
 
     small = n_vocab < COMPILE_MIN_VOCAB or hidden < COMPILE_MIN_HIDDEN
-    if not compile_enabled() or (dtype == torch.float32 and small):
+    if not head_compile_enabled() or (dtype == torch.float32 and small):
         return _chunk_stats, _chunk_grad
     if not _COMPILED:
-        _COMPILED.update(stats=_compiled(_chunk_stats), grad=_compiled(_chunk_grad))
+        on = head_compile_enabled
+        _COMPILED.update(stats=_compiled(_chunk_stats, on), grad=_compiled(_chunk_grad, on))
     return _COMPILED["stats"], _COMPILED["grad"]
 
 

@@ -50,9 +50,9 @@ _fused_one_rank = None
 def _fused_logprobs():
     global _fused_one_rank
     if _fused_one_rank is None:
-        from mcore_rl.compat.fused_ops import _compiled
+        from mcore_rl.compat.fused_ops import _compiled, head_compile_enabled
 
-        _fused_one_rank = _compiled(_logprobs_one_rank)
+        _fused_one_rank = _compiled(_logprobs_one_rank, head_compile_enabled)
     return _fused_one_rank
 
 
@@ -70,9 +70,9 @@ def vocab_parallel_logprobs(
     """
     tp_rank, tp_size, group = _tp_info()
     if tp_size == 1 and logits.dtype != torch.float32 and logits.shape[-1] > 0:
-        from mcore_rl.compat.fused_ops import compile_enabled
+        from mcore_rl.compat.fused_ops import head_compile_enabled
 
-        if compile_enabled():  # bf16/fp16 logits; fp32 (exactness tests) keeps the eager path below
+        if head_compile_enabled():  # bf16/fp16 logits; fp32 (exactness tests) keeps the eager path below
             return _fused_logprobs()(logits, targets, min(vocab_size, logits.shape[-1]), temperature, with_entropy)
     logits = logits.float()
     if temperature != 1.0:
