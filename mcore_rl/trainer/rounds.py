@@ -96,6 +96,8 @@ class Rounds:
             metrics.update(self.data.metrics())
             if hasattr(self.engine, "fault_metrics"):  # SGLang: HTTP retries, stale samples dropped, restarts
                 metrics.update(self.engine.fault_metrics())
+            if hasattr(self.engine, "speed_metrics"):  # the embedded engine: decode against its roofline
+                metrics.update(self.engine.speed_metrics())
         return metrics
 
     def _score(self, gen: Generated) -> tuple[list[float], list[bool], dict[str, float]]:

@@ -4,9 +4,12 @@ Why: a run's wall-clock alone does not say whether a phase is slow because the m
 code leaves the hardware idle. The roofline is the `torch.mm` rate of the run's dtype on this machine (the one
 `model.dtype=auto` measured at start-up, else measured at the end, ~0.6 s); the achieved rate is the phase's
 model FLOPs (`evaluation/compute.py`: 2 x non-embedding params x tokens + attention per forward, so the LM head
-is not counted and the fraction is a lower bound) over its seconds. Decoding is
-bound by streaming the weights, not by matmul throughput, so generation's fraction is low by nature; training's
-is the one to compare with `benchmarks/policy_step.py`.
+is not counted and the fraction is a lower bound) over its seconds; training's is the one to compare with
+`benchmarks/policy_step.py`. Generation gets no such fraction: the FLOP accounting charges a prompt's prefill once
+per sample (the engine prefills it once for all n) and a decode step is bound by streaming the weights, not by the
+matmul peak, so the quotient read 92% on a main job whose engine ran at a third of its real bound. The embedded
+engine's decode is set instead against its decode roofline, min(matmul, weight + KV streaming) for the steps it
+ran (`rollout/local/decode_meter.py`), as `benchmarks/rollout_engine.py` does.
 
 Built from the run directory's own metrics.jsonl / eval.jsonl, over the updates up to the last evaluation
 record that carries the cumulative FLOP counters.
@@ -29,7 +32,9 @@ class PhaseSpeed:
         None  # generated (generate, eval), trained fwd+bwd (train) or scored (score) tokens
     )
     gflops: float | None = None  # achieved model GFLOP/s
-    roofline_frac: float | None = None  # gflops / the dtype's torch.mm GFLOP/s
+    roofline_frac: float | None = None  # gflops / the dtype's torch.mm GFLOP/s (decode: bound time / time)
+    roof: str = "roofline"  # what roofline_frac is a fraction of, as printed
+    what: str = ""  # printed after the seconds: what they cover, where the phase name does not say
     gb_per_s: float | None = None  # weight sync only
     overlapped: bool = False  # generate under async: `seconds` is the trainer's wait, not the engine's work
 
@@ -46,6 +51,16 @@ def _phase(
     return PhaseSpeed(name, seconds, tokens, gflops, frac)
 
 
+def _decode(rounds: list[dict]) -> PhaseSpeed:
+    """The embedded engine's decode steps (evaluation's too) against their decode roofline; absent (0 s) for
+    SGLang, which reports its own speed."""
+    seconds = sum(float(r.get("engine_decode_s", 0.0)) for r in rounds)
+    bound = sum(float(r.get("engine_decode_bound_s", 0.0)) for r in rounds)
+    tokens = sum(float(r.get("engine_decode_tokens", 0.0)) for r in rounds)
+    return PhaseSpeed("decode", seconds, tokens, roofline_frac=bound / seconds if seconds > 0 else None,
+                      roof="decode roofline", what=" in the engine's decode steps (evaluation's included)")
+
+
 def phase_speeds(run_dir: str | Path, roof_gflops: float | None) -> list[PhaseSpeed]:
     """Per phase: seconds, tokens/s and, where FLOPs are counted, GFLOP/s and the roofline fraction."""
     run_dir = Path(run_dir)
@@ -58,14 +73,17 @@ def phase_speeds(run_dir: str | Path, roof_gflops: float | None) -> list[PhaseSp
     def total(key: str, rows: list[dict] = recs) -> float:
         return sum(float(r.get(key, 0.0)) for r in rows)
 
+    # a round's own counts (tokens generated, the engine's decode work) ride on each of its updates' records; only
+    # the round's last record carries time_sync (trainer/loop.py), so counting those counts each round once
+    rounds = [r for r in recs if "time_sync" in r] or recs
     # async (rounds generated ahead, `inflight_rounds` > 0): generation overlaps training and time_generate is only
     # what the trainer waited, so tokens over it would claim rates above the roofline (measured: 392% at k=2)
     overlapped = any(r.get("inflight_rounds", 0) > 0 for r in recs)
     generate = (PhaseSpeed("generate", total("time_generate"), overlapped=True) if overlapped else
-                _phase("generate", total("time_generate"), total("rollout_tokens"), last.get("flops_generate"),
-                       roof_gflops))
+                PhaseSpeed("generate", total("time_generate"), total("rollout_tokens", rounds)))
     out = [
         generate,
+        _decode(rounds),
         _phase(
             "train", total("time_train"), last.get("tokens_trained"), last.get("flops_train"), roof_gflops
         ),
@@ -88,13 +106,13 @@ def speed_summary(run_dir: str | Path, dtype: str | None, roof_gflops: float | N
     lines = [f"  speed ({dtype or '?'} torch.mm roofline {roof}):"]
     for p in phases:
         waited = " waited (generation overlapped training: no rate from the wait)" if p.overlapped else ""
-        bits = [f"{p.seconds:,.1f} s{waited}"]
+        bits = [f"{p.seconds:,.1f} s{p.what}{waited}"]
         if p.tokens_per_s is not None:
             bits.append(f"{p.tokens_per_s:,.1f} tok/s")
         if p.gflops is not None:
             bits.append(f"{p.gflops:,.1f} GFLOP/s")
         if p.roofline_frac is not None:
-            bits.append(f"{p.roofline_frac:.1%} of roofline")
+            bits.append(f"{p.roofline_frac:.1%} of {p.roof}")
         if p.gb_per_s is not None:
             bits.append(f"{p.gb_per_s:,.2f} GB/s")
         lines.append(f"    {p.phase:>8}: " + ", ".join(bits))

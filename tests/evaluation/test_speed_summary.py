@@ -61,8 +61,9 @@ def test_phase_speeds_from_hand_written_records(tmp_path):
     )
     p = {s.phase: s for s in phase_speeds(tmp_path, roof_gflops=20.0)}
     assert set(p) == {"generate", "train", "eval", "sync"}  # no old-logp time: no score phase
-    assert p["generate"].tokens_per_s == pytest.approx(250 / 5) and p["generate"].gflops == pytest.approx(1.0)
-    assert p["generate"].roofline_frac == pytest.approx(0.05)
+    assert p["generate"].tokens_per_s == pytest.approx(250 / 5)
+    # no matmul fraction for generation: its counted FLOPs charge a shared prompt once per sample (module docstring)
+    assert p["generate"].gflops is None and p["generate"].roofline_frac is None
     assert p["train"].tokens_per_s == pytest.approx(80.0) and p["train"].gflops == pytest.approx(6.0)
     assert p["train"].roofline_frac == pytest.approx(0.3)
     assert p["eval"].tokens_per_s == pytest.approx((80 + 160) / 4.0) and p["eval"].gflops is None
@@ -70,6 +71,26 @@ def test_phase_speeds_from_hand_written_records(tmp_path):
     record, text = speed_summary(tmp_path, "fp32", 20.0)
     assert record["phases"]["train"]["roofline_frac"] == pytest.approx(0.3)
     assert "train: 10.0 s, 80.0 tok/s, 6.0 GFLOP/s, 30.0% of roofline" in text
+
+
+def test_a_round_counts_once_and_decode_is_set_against_its_roofline(tmp_path):
+    """A round of two updates logs its counts on both records (only the last has time_sync): its tokens and the
+    engine's decode work count once. Decode: the engine's decode seconds against the roofline seconds of its steps."""
+    engine = {"engine_decode_tokens": 300.0, "engine_decode_s": 4.0, "engine_decode_bound_s": 1.0,
+              "engine_prefill_tokens": 40.0, "engine_prefill_s": 0.5}
+    _write(tmp_path / "metrics.jsonl", [
+        {"step": 1, "time_generate": 1.0, "rollout_tokens": 200, "time_train": 2.0, **engine},
+        {"step": 2, "time_generate": 1.0, "rollout_tokens": 200, "time_train": 2.0, "time_sync": 0.1, **engine},
+    ])
+    _write(tmp_path / "eval.jsonl", [{"step": 2, "flops_train": 4e9, "tokens_trained": 800.0}])
+    p = {s.phase: s for s in phase_speeds(tmp_path, roof_gflops=20.0)}
+    assert p["generate"].tokens_per_s == pytest.approx(200 / 2.0)  # 200 tokens, not 400
+    assert p["decode"].seconds == 4.0 and p["decode"].tokens_per_s == pytest.approx(75.0)
+    assert p["decode"].roofline_frac == pytest.approx(0.25)
+    _, text = speed_summary(tmp_path, "fp32", 20.0)
+    assert "decode: 4.0 s in the engine's decode steps (evaluation's included), 75.0 tok/s, 25.0% of decode " \
+           "roofline" in text
+    assert "generate: 2.0 s, 100.0 tok/s\n" in text
 
 
 def test_async_generation_reports_the_wait_not_a_rate(tmp_path):
@@ -107,5 +128,11 @@ def test_real_run_prints_and_records_the_speed_summary(tiny_run_proc):
         and 0 < tr["roofline_frac"] < 2
     )
     assert rec["phases"]["eval"]["tokens_per_s"] > 0
+    dec = rec["phases"]["decode"]  # the embedded engine's decode, against the roofline of the steps it ran
+    rounds = [r for r in train if "time_sync" in r]
+    assert dec["tokens"] == sum(r["engine_decode_tokens"] for r in rounds) > 0
+    assert dec["roofline_frac"] == pytest.approx(sum(r["engine_decode_bound_s"] for r in rounds) / dec["seconds"])
+    assert 0 < dec["roofline_frac"] < 10  # a tiny model's weights sit in cache: it can beat the DRAM bound
+    assert gen["roofline_frac"] is None and f"{100 * dec['roofline_frac']:.1f}% of decode roofline" in proc.stdout
     assert f"speed (fp32 torch.mm roofline {rec['matmul_gflops']:,.0f} GFLOP/s)" in proc.stdout
     assert f"{100 * tr['roofline_frac']:.1f}% of roofline" in proc.stdout

@@ -101,6 +101,7 @@ class LocalEngine(Stepper):
         self._version = int(weight_version)
         self.interrupt_on_update = False  # see set_interrupt_on_update
         self.stats = EngineStats()
+        self._meter = None  # DecodeMeter, made at the first speed_metrics() call
         self._init_stepping()
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
@@ -241,6 +242,16 @@ class LocalEngine(Stepper):
 
     def health(self) -> bool:
         return self._worker.is_alive() and not self._closing
+
+    def speed_metrics(self) -> dict[str, float]:
+        """Decode work since the last call against its decode roofline (rollout/local/decode_meter.py): the
+        trainer logs it per round and the end-of-run speed summary sums it."""
+        if self._meter is None:
+            from mcore_rl.rollout.local.decode_meter import DecodeMeter
+            from mcore_rl.rollout.local.roofline import DecodeCost
+
+            self._meter = DecodeMeter(DecodeCost.of(self.model), self.device, self.model.dtype)
+        return self._meter.round_metrics(self.stats)
 
     def close(self) -> None:
         with self._cv:
