@@ -5,6 +5,7 @@ accuracy curves drawn as bands. Numbers come only from experiments/<name>/data/ 
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,20 +55,37 @@ def mean_sd(xs: list[float], spec: str = ".0f") -> str:
     return f"{statistics.fmean(xs):{spec}} ± {statistics.stdev(xs):{spec}}"
 
 
+def _per_machine(values: dict[int, float], machines: dict[int, str], spec: str) -> str:
+    """mean ± sd over seeds, per machine kind where an arm's seeds ran on more than one (never one mean over both)."""
+    groups: dict[str, list[float]] = {}
+    for seed, v in values.items():
+        groups.setdefault(machines.get(seed, "?"), []).append(v)
+    if len(groups) == 1:
+        return mean_sd(next(iter(groups.values())), spec)
+    return "; ".join(f"{mean_sd(v, spec)} ({k})" for k, v in sorted(groups.items()))
+
+
 def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
-    """One row per arm: seeds finished, held-out accuracy before and after training with 95% intervals, compute
-    (mean ± sd over seeds) and the share of the trainer's time by phase."""
+    """One row per arm: seeds finished, the machine kinds they ran on, held-out accuracy before and after training
+    with 95% intervals, compute (mean ± sd over seeds; wall and CPU per machine kind) and the share of the
+    trainer's time by phase."""
+    letters = machine_letters(exp_dir)
     lines = [
-        "| arm | seeds | mean@k before [95%] | mean@k after [95%] | wall (min) | CPU (min) | FLOPs | "
+        "| arm | seeds | machine | mean@k before [95%] | mean@k after [95%] | wall (min) | CPU (min) | FLOPs | "
         "generate / reward / old-logp / train / sync / switch (% of phase time) | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    used: set[str] = set()
     for arm in arms:
         per_seed = evals(exp_dir, arm)
         if not per_seed:
-            lines.append(f"| {arm.label} | 0 (not run) | | | | | | | |")
+            lines.append(f"| {arm.label} | 0 (not run) | | | | | | | | |")
             continue
-        last = [recs[-1] for recs in per_seed.values()]
+        last = {seed: recs[-1] for seed, recs in per_seed.items()}
+        machines = {seed: seed_machine(meta, letters) for seed, meta in arm_meta(exp_dir, arm).items()
+                    if seed in per_seed}
+        used |= {k for seed, meta in arm_meta(exp_dir, arm).items() if seed in per_seed
+                 for k in (machine_kind(s) for s in meta["segments"])}
         before, after = interval_at(per_seed, "first"), interval_at(per_seed, "last")
         trains = train_records(exp_dir, arm)
         totals = {k: sum(r.get(k, 0.0) for recs in trains.values() for r in recs) for k in PHASES}
@@ -76,12 +94,14 @@ def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
         metas = arm_meta(exp_dir, arm)
         loads = [s["load_mean"] for m in metas.values() for s in m["segments"]]
         lines.append(
-            f"| {arm.label} | {len(per_seed)} | {before.cell()} | {after.cell()} | "
-            f"{mean_sd([r['wallclock_s'] / 60 for r in last], '.1f')} | "
-            f"{mean_sd([r['cpu_s'] / 60 for r in last], '.1f')} | "
-            f"{mean_sd([r.get('flops', float('nan')) for r in last], '.2e')} | {split} | "
+            f"| {arm.label} | {len(per_seed)} | {', '.join(sorted(set(machines.values())))} | {before.cell()} | "
+            f"{after.cell()} | {_per_machine({k: r['wallclock_s'] / 60 for k, r in last.items()}, machines, '.1f')} | "
+            f"{_per_machine({k: r['cpu_s'] / 60 for k, r in last.items()}, machines, '.1f')} | "
+            f"{mean_sd([r.get('flops', float('nan')) for r in last.values()], '.2e')} | {split} | "
             f"{f'{statistics.fmean(loads):.1f}' if loads else 'n/a'} |"
         )
+    if used:
+        lines += ["", machine_legend(letters, used)]
     return lines
 
 
@@ -106,6 +126,22 @@ def machine_kind(segment: dict) -> str:
     name and the load do not make another kind). Times compare only within one kind: the queue runs over several
     days on whichever machine it lands, and two CPU models can differ by their bf16 kernels alone."""
     return f"{segment.get('cpu_model', '?')}, {segment.get('cpu_count', '?')} cores, model.dtype={_dtype(segment)}"
+
+
+def machine_letters(exp_dir: Path) -> dict[str, str]:
+    """A letter per machine kind over every arm of the experiment, so that all of a results.md's tables agree."""
+    kinds = {machine_kind(s) for f in (exp_dir / "data").glob("*/seed*.arm.json")
+             for s in json.loads(f.read_text()).get("segments", [])}
+    return {k: chr(ord("A") + i) for i, k in enumerate(sorted(kinds))}
+
+
+def seed_machine(meta: dict, letters: dict[str, str]) -> str:
+    """The machine letter(s) of one run: "A+B" where a resume moved it to another machine kind."""
+    return "+".join(sorted({letters[machine_kind(s)] for s in meta["segments"]})) or "?"
+
+
+def machine_legend(letters: dict[str, str], used: set[str]) -> str:
+    return "Machines: " + "; ".join(f"{v} = {k}" for k, v in letters.items() if k in used) + "."
 
 
 def arm_machines(exp_dir: Path, arm: Arm) -> set[str]:
@@ -208,7 +244,7 @@ def time_to_target_rows(exp_dir: Path, arms: list[Arm], pairs: list[tuple[Arm, A
     if low <= base:
         return [f"No common target: an arm ended at or below the base accuracy ({low:.3f} <= {base:.3f})."]
     kinds = [arm_machines(exp_dir, a) for a in ran]
-    letter = {k: chr(ord("A") + i) for i, k in enumerate(sorted(set().union(*kinds)))}
+    letter = machine_letters(exp_dir)
     lines = ["Target: the base accuracy plus a fraction of the smallest gain any finished arm made (100%: the "
              "lowest final mean), so every arm's curve reaches it. Time for the arm's mean curve over seeds and "
              "held-out prompts to reach it, interpolated between eval points; 95% interval by bootstrap over seeds "
@@ -233,7 +269,7 @@ def time_to_target_rows(exp_dir: Path, arms: list[Arm], pairs: list[tuple[Arm, A
             times = (f"{wall.ratio(i, j).cell(spec='.2f')} | {cpu.ratio(i, j).cell(spec='.2f')}" if same
                      else "n/a (different machines) | n/a (different machines)")
             ratio_rows.append(f"| {label} | {a.label} / {b.label} | {times} | {flops.ratio(i, j).cell(spec='.2f')} |")
-    lines += ["", "Machines: " + "; ".join(f"{v} = {k}" for k, v in letter.items()) + "."]
+    lines += ["", machine_legend(letter, set().union(*kinds))]
     if ratio_rows:
         lines += ["", "| target | ratio | wall [95%] | CPU [95%] | compute [95%] |", "|---|---|---|---|---|",
                   *ratio_rows]

@@ -349,6 +349,16 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path, monkeypatch):
     assert "A = AMD EPYC, 2 cores, model.dtype=bf16; B = Intel Xeon, 2 cores, model.dtype=bf16" in text
     assert any(ln.startswith("| 100% of the gain") and "| GRPO mu=4, recompute anchor | B |" in ln
                for ln in text.splitlines())
+    arm_row = next(ln for ln in text.splitlines() if ln.startswith("| GRPO mu=4, recompute anchor | 2 |"))
+    assert arm_row.split(" | ")[2] == "B"  # the per-arm table names the machine too
+
+    # one arm's seeds on two machines: its wall-clock and CPU time are given per machine, never one mean over both
+    meta = tmp_path / "data" / "mu_grpo" / "seed1235.arm.json"
+    meta.write_text(meta.read_text().replace("AMD EPYC", "Intel Xeon"))
+    exp1.report(tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    cells = next(ln for ln in text.splitlines() if ln.startswith("| Mu-GRPO, 4 stages x 6 updates | 3 |")).split(" | ")
+    assert cells[2] == "A, B" and cells[5] == "4.0 ± 0.0 (A); 4.0 (B)" and cells[6] == "6.0 ± 0.0 (A); 6.0 (B)"
 
 
 def test_segments_record_which_kernels_computed_bf16(tmp_path, monkeypatch, caplog):
