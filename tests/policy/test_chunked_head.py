@@ -95,6 +95,32 @@ def test_compiled_chunk_kernels_equal_eager(monkeypatch):
     assert _rel(gh0, gh1) <= 1e-6 and _rel(gw0, gw1) <= 1e-6
 
 
+def test_bf16_chunks_cast_inside_the_kernels_and_match_the_fp32_logits(monkeypatch):
+    """bf16 hidden states and weight: each chunk's bf16 head output is cast to fp32 (and divided by T) inside the
+    per-chunk kernels, compiled and eager alike; both give the log-probs of the same bf16 product's fp32 logits
+    (`vocab_parallel_logprobs`), and the gradients come back in bf16."""
+    from mcore_rl.compat import fused_ops
+
+    h, w, targets, v, a, b = _head_case(2)
+    h, w = h.bfloat16(), w.bfloat16()
+    ref, _ = vocab_parallel_logprobs((h @ w.t()).float()[:, :v], targets, v, 0.8)
+    out = []
+    for compiled in (False, True):  # bf16 chunks compile whatever their size: the head's switch decides
+        monkeypatch.setattr(fused_ops, "_HEAD_ENABLED", compiled)
+        before = dict(fused_ops.compiled_calls())
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = chunked_head_logprobs(hh, ww, targets, v, 0.8, True, rows=16)
+        ((a * lp).sum() + (b * ent).sum()).backward()
+        assert hh.grad.dtype == ww.grad.dtype == torch.bfloat16
+        ran = fused_ops.compiled_calls().get("_chunk_grad", 0) - before.get("_chunk_grad", 0)
+        out.append((lp.detach(), hh.grad.float(), ww.grad.float(), ran))
+    (lp0, gh0, gw0, ran0), (lp1, gh1, gw1, ran1) = out
+    assert ran0 == 0 and (ran1 == 3 or "_chunk_grad" in fused_ops.fallbacks())
+    tol = ULPS2 * max(1.0, ref.abs().max().item()) * 4  # fp32 arithmetic on the same logits
+    assert (lp0 - ref).abs().max().item() <= tol and (lp1 - ref).abs().max().item() <= tol
+    assert _rel(gh0, gh1) <= 1e-2 and _rel(gw0, gw1) <= 1e-2  # one bf16 rounding of each gradient apart at most
+
+
 def test_chunk_rows_bound_the_logits_bytes():
     assert chunk_rows(49152) == 32 * 2**20 // (4 * 49152)  # 170 tokens of SmolLM2's vocabulary per chunk
     assert chunk_rows(100) > 1000 and chunk_rows(10**9) == 16
