@@ -29,7 +29,13 @@ from mcore_rl.trainer.models import load_policies, make_engine
 from mcore_rl.trainer.rounds import PromptsLog, Rounds
 from mcore_rl.trainer.runlog import RunLog
 from mcore_rl.trainer.schedule import Schedule, ScheduleContext, schedule_class
-from mcore_rl.trainer.setup import ConfigError, StopFlag, check_model_against_parallel, resolve_model_dir
+from mcore_rl.trainer.setup import (
+    ConfigError,
+    StopFlag,
+    check_model_against_parallel,
+    resolve_model_dir,
+    warn_small_gpu_budget,
+)
 from mcore_rl.trainer.state import RunState
 from mcore_rl.trainer.update import NonFiniteGuard
 from mcore_rl.trainer.weights import WeightSync, sync_options
@@ -145,6 +151,8 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
     model_dir = resolve_model_dir(cfg.model)
     check_model_against_parallel(cfg, model_dir)
     lay = _distributed(cfg)
+    if lay.rank == 0:
+        warn_small_gpu_budget(cfg.trainer.token_budget)
     algorithm = build_algorithm(cfg.algorithm)
     sched_cls = schedule_class(cfg.algorithm.schedule)
     data = _prompt_source(cfg, model_dir) if lay.rank == 0 else None  # before the model: data errors fail fast

@@ -1,4 +1,4 @@
-"""Rollout defaults a GPU user meets first: SGLang missing, determinism, the embedded engine's device."""
+"""Defaults a GPU user meets first: SGLang missing, determinism, the embedded engine's device, the micro-batch size."""
 
 from __future__ import annotations
 
@@ -105,3 +105,17 @@ def test_embedded_engine_runs_on_the_trainers_device(monkeypatch, tiny_llama_dir
     bad = compose(["model=tiny", "rollout=local", "rollout.device=gpu0"])
     with pytest.raises(ConfigError, match=r"rollout.device='gpu0': expected auto, cpu, cuda or cuda:N"):
         validate(bad)
+
+
+def test_a_small_token_budget_on_cuda_is_one_warning(caplog):
+    """trainer.token_budget=512 sizes CPU micro-batches; on CUDA the run says at start what to set instead."""
+    from mcore_rl.config import load_config
+    from mcore_rl.trainer.setup import warn_small_gpu_budget
+
+    budget = load_config(compose(["model=tiny"])).trainer.token_budget
+    with caplog.at_level("WARNING"):
+        msg = warn_small_gpu_budget(budget, cuda=True)
+    assert msg and "trainer.token_budget=512 on CUDA" in msg and "trainer.token_budget=8192-16384" in msg
+    assert msg in caplog.text
+    assert warn_small_gpu_budget(budget, cuda=False) is None  # the CPU main job's size: nothing to say
+    assert warn_small_gpu_budget(16384, cuda=True) is None

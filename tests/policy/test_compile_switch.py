@@ -110,3 +110,4 @@ def test_cli_bf16_with_compile_false_runs_eager(tmp_path):
     assert [r["step"] for r in recs] == [1, 2] and all(r["update_ok"] == 1.0 for r in recs)
     assert 0 < recs[-1]["train_rollout_logprob_abs_diff"] < 0.5
     assert "compile: 'false'" in (run_dir / "config.yaml").read_text()
+
