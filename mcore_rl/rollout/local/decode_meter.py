@@ -37,8 +37,8 @@ class DecodeMeter:
         if self.rates is None:
             from mcore_rl.policy.precision import roofline_gflops
 
-            big = (1 << 30) if self.device.type == "cuda" else (256 << 20)
-            self.rates = roofline_gflops(short_name(self.dtype)), bandwidth_gbs(self.device, big).wall
+            # 256 MB: far past any CPU's or GPU's last-level cache, small next to a run's memory
+            self.rates = roofline_gflops(short_name(self.dtype)), bandwidth_gbs(self.device).wall
         return self.rates
 
     def round_metrics(self, stats: EngineStats) -> dict[str, float]:
