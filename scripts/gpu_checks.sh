@@ -2,15 +2,21 @@
 # The checks only a CUDA machine can make, in one go (about 6 minutes on one H100/H200):
 #   1. the `gpu` test suite (NCCL world of one, bf16 parity + train step, engine on cuda, CLI train + resume,
 #      CUDA IPC tensor payloads; TE FP8 where transformer_engine imports),
-#   2. benchmarks/policy_step.py: Megatron fwd+bwd MFU for a ~0.5B Llama shape in bf16 as the trainer builds it
-#      (eager element-wise ops on CUDA), with compiled ones and in fp32 beside it (the roofline is the best torch.mm
-#      rate on this GPU, measured in the same run),
+#   2. benchmarks/policy_step.py: Megatron fwd+bwd MFU for a ~0.5B Llama shape in bf16 at 16 x 1024 tokens (the GPU
+#      experiments' trainer.token_budget) as the trainer builds it (model.compile=auto on CUDA: the layers' element-
+#      wise ops eager, the LM head's log-prob kernels compiled), all eager and all compiled beside it (the roofline
+#      is the best torch.mm rate of the step's GEMM shapes on this GPU, measured in the same run),
 #   3. benchmarks/rollout_engine.py: the embedded engine's decode tokens/s against transformers.generate on a
 #      SmolLM2-135M-shaped model (random weights: the speed does not depend on them), 16 prompts x 4 samples,
 #      against the decode roofline (matmul rate, bandwidth) measured in the same run.
 # Logs go to $OUT (default ./gpu_checks_out). Usage: bash scripts/gpu_checks.sh
+# On a machine without internet whose Python has torch but not mcore-rl's other imports: bash scripts/gpu_bundle.sh
+# here first and copy .gpu/ along; this script then puts .gpu/site on the path and .gpu/cache as the model cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [[ -d .gpu/site ]]; then
+  export PYTHONPATH="$PWD/.gpu/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" MCORE_RL_CACHE="${MCORE_RL_CACHE:-$PWD/.gpu/cache}"
+fi
 OUT=${OUT:-gpu_checks_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
@@ -28,8 +34,8 @@ timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -q -m gpu -rA $XDIST tests/gpu tes
   | tee "$OUT/gpu_suite.log"
 
 # shorter: POLICY_FLAGS="--dtypes bf16 --heads chunked" ENGINE_FLAGS="--dtypes bfloat16 --workloads fixed"
-timeout "${BENCH_TIMEOUT:-150}" $PY benchmarks/policy_step.py --model llama-0.5b --batch 8 --seq 1024 --iters 5 \
-  --no-hf ${POLICY_FLAGS:---dtypes bf16,bf16-compiled,fp32 --heads chunked} 2>&1 | tee "$OUT/policy_step.log"
+timeout "${BENCH_TIMEOUT:-170}" $PY benchmarks/policy_step.py --model llama-0.5b --batch 16 --seq 1024 --iters 5 \
+  --no-hf ${POLICY_FLAGS:---dtypes bf16,bf16-eager,bf16-compiled --heads chunked} 2>&1 | tee "$OUT/policy_step.log"
 
 # a SmolLM2-135M-shaped random model with the SmolLM2 tokenizer (taken from the tiny model's folder)
 ENGINE_DIR=$($PY - <<'EOF'
