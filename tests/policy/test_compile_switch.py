@@ -111,3 +111,48 @@ def test_cli_bf16_with_compile_false_runs_eager(tmp_path):
     assert 0 < recs[-1]["train_rollout_logprob_abs_diff"] < 0.5
     assert "compile: 'false'" in (run_dir / "config.yaml").read_text()
 
+
+
+def test_the_cuda_default_eager_layers_and_compiled_head_trains_on_cpu(tiny_llama_dir):
+    """What `auto` builds on CUDA (layers' element-wise ops eager, the LM head's kernels compiled), built and
+    stepped on a CPU: no module swapped, the head's kernels ran compiled (or fell back visibly), and log-probs and
+    gradients as the all-eager build's (the head computes in fp32 either way)."""
+    import torch
+
+    from mcore_rl.distributed import init_distributed
+    from mcore_rl.models.spec import BuildConfig
+    from mcore_rl.policy.policy import Policy, PolicyConfig
+    from mcore_rl.policy.step import PolicyBatch
+
+    init_distributed(1, 1)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 512, (4, 16), generator=g)
+    mask = torch.zeros(4, 16)
+    mask[:, 4:] = 1.0
+    adv = torch.randn(4, 1, generator=g).expand(4, 16).contiguous()
+
+    def loss_fn(mb, logp, ent):
+        return -(mb.extras["adv"] * logp * mb.loss_mask).sum(), {}
+
+    out = []
+    try:
+        for head in (True, False):
+            pol = Policy(tiny_llama_dir, PolicyConfig(build=BuildConfig(dtype="bf16", compile=False, compile_head=head),
+                                                      token_budget=128))
+            pol.load_hf(tiny_llama_dir)
+            assert not any(pol.gpt.fused_ops.values())  # no norm or MLP swapped: Megatron's eager modules
+            assert (fused_ops.compile_enabled(), fused_ops.head_compile_enabled()) == (False, head)
+            before = dict(fused_ops.compiled_calls())
+            pol.zero_grad()
+            pol.forward_backward(PolicyBatch(tokens, mask, {"adv": adv}), loss_fn)
+            ran = fused_ops.compiled_calls().get("_chunk_grad", 0) - before.get("_chunk_grad", 0)
+            grads = torch.cat([p.main_grad.flatten().float() for p in pol.model.parameters()])
+            with torch.no_grad():
+                logp = pol.logprobs(PolicyBatch(tokens, mask))
+            out.append((logp, grads, ran))
+    finally:
+        fused_ops.set_compile(True)
+    (lp1, g1, ran1), (lp0, g0, ran0) = out
+    assert (ran1 > 0 or "_chunk_grad" in fused_ops.fallbacks()) and ran0 == 0
+    assert lp0.min().item() < -3.0 and (lp0 - lp1).abs().max().item() < 1e-3
+    assert g0.abs().max().item() > 1e-3 and ((g0 - g1).abs().max() / g0.abs().max()).item() < 2e-2
