@@ -37,3 +37,16 @@ def test_each_read_meters_the_steps_since_the_last_one(tiny_dir):
         third = engine.speed_metrics()  # nothing ran since
         assert third["engine_decode_tokens"] == 0 and third["engine_decode_bound_s"] == 0
         assert "engine_decode_roofline_frac" not in third
+
+
+def test_a_model_the_cost_formula_cannot_read_is_not_metered(tiny_dir, monkeypatch, caplog):
+    """Telemetry never stops a run: a model whose config the decode cost cannot read gets one warning and no
+    engine_decode_* metrics."""
+    def unreadable(model):
+        raise AttributeError("no text config")
+
+    monkeypatch.setattr(DecodeCost, "of", staticmethod(unreadable))
+    with LocalEngine(str(tiny_dir), seed=0) as engine, caplog.at_level("WARNING"):
+        _gen(engine, 3, 1)
+        assert engine.speed_metrics() == {} and engine.speed_metrics() == {}
+    assert caplog.text.count("engine decode roofline not metered for this model (AttributeError") == 1

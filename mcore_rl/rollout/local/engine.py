@@ -101,7 +101,7 @@ class LocalEngine(Stepper):
         self._version = int(weight_version)
         self.interrupt_on_update = False  # see set_interrupt_on_update
         self.stats = EngineStats()
-        self._meter = None  # DecodeMeter, made at the first speed_metrics() call
+        self._meter = None  # DecodeMeter, made at the first speed_metrics() call (False: not meterable)
         self._init_stepping()
         pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self._batch = DecodeBatch(self.model, num_layers, pad, self.device)
@@ -250,8 +250,12 @@ class LocalEngine(Stepper):
             from mcore_rl.rollout.local.decode_meter import DecodeMeter
             from mcore_rl.rollout.local.roofline import DecodeCost
 
-            self._meter = DecodeMeter(DecodeCost.of(self.model), self.device, self.model.dtype)
-        return self._meter.round_metrics(self.stats)
+            try:
+                self._meter = DecodeMeter(DecodeCost.of(self.model), self.device, self.model.dtype)
+            except (AttributeError, TypeError, ValueError) as e:  # a model the cost formula does not read
+                log.warning("engine decode roofline not metered for this model (%s: %s)", type(e).__name__, e)
+                self._meter = False
+        return self._meter.round_metrics(self.stats) if self._meter else {}
 
     def close(self) -> None:
         with self._cv:
