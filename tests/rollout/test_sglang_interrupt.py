@@ -61,19 +61,24 @@ def test_abort_all_replies_like_sglang(routed):
     url = routed.worker_urls[0]
     body = {"input_ids": [7, 8, 9], "return_logprob": True,
             "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "sampling_seed": 1}}
-    out: dict[str, dict] = {}
-    threads = [threading.Thread(target=lambda k=k: out.__setitem__(k, post_json(url + "/generate", {**body, "rid": k})))
-               for k in ("running", "queued")]  # fmt: skip
-    threads[0].start()
-    time.sleep(0.5)
-    threads[1].start()
-    time.sleep(0.5)
-    reply = post_json(url + "/update_weights_from_disk",
-                      {"model_path": str(trainer_tiny_dir()), "weight_version": "0", "abort_all_requests": True})
-    assert reply["success"] is True
-    assert set(out) == {"running", "queued"}  # both answered before the update returned (SGLang's writer lock)
-    for th in threads:
-        th.join(timeout=60)
+    # the first request must be running when the abort comes: on a loaded machine the engine can take longer than
+    # a fixed head start to admit it (it then answers "Abort in waiting queue"), so the head start grows
+    for head_start in (0.5, 2.0, 6.0):
+        out: dict[str, dict] = {}
+        threads = [threading.Thread(target=lambda k=k, out=out: out.__setitem__(
+                       k, post_json(url + "/generate", {**body, "rid": k}))) for k in ("running", "queued")]
+        threads[0].start()
+        time.sleep(head_start)
+        threads[1].start()
+        time.sleep(0.5)
+        reply = post_json(url + "/update_weights_from_disk",
+                          {"model_path": str(trainer_tiny_dir()), "weight_version": "0", "abort_all_requests": True})
+        assert reply["success"] is True
+        assert set(out) == {"running", "queued"}  # both answered before the update returned (SGLang's writer lock)
+        for th in threads:
+            th.join(timeout=60)
+        if out["running"]["meta_info"]["finish_reason"] != ABORT_QUEUED:
+            break
     run, queued = out["running"], out["queued"]
     assert run["meta_info"]["finish_reason"] == ABORT_RUNNING == {
         "type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # fmt: skip
