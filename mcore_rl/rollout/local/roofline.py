@@ -52,7 +52,8 @@ def bandwidth_gbs(device: torch.device, nbytes: int = 256 << 20, repeats: int = 
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """Per-step work of a decoder LM: matmul weights (the LM head included, input embedding lookup excluded)."""
+    """Per-step work of a decoder LM: matmul weights (the LM head included, input embedding lookup excluded); for a
+    mixture of experts, the expert weights apart (`expert_params`: one expert's, summed over layers)."""
 
     matmul_params: int
     layers: int
@@ -60,29 +61,46 @@ class DecodeCost:
     kv_heads: int
     head_dim: int
     bytes_per_value: int
+    num_experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> DecodeCost:
         cfg = model.config.get_text_config(decoder=True)
         head = model.get_output_embeddings().weight
         skip = {id(head), id(model.get_input_embeddings().weight)}
-        mats = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in skip)
+        # experts: whatever lives under `.experts.` (transformers 5 keeps them as 3-D [E, out, in] tensors; older
+        # versions as a list of 2-D ones); the router and shared experts are dense weights
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and p.dim() >= 2)
+        mats = sum(p.numel() for n, p in model.named_parameters()
+                   if p.dim() == 2 and id(p) not in skip and ".experts." not in n)
+        n_exp = int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
+        top_k = int(getattr(cfg, "num_experts_per_tok", None) or 0) if n_exp else 0
         q_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
-        return cls(
-            mats + head.numel(), cfg.num_hidden_layers, q_heads, kv_heads, head_dim, head.element_size()
-        )
+        return cls(mats + head.numel(), cfg.num_hidden_layers, q_heads, kv_heads, head_dim, head.element_size(),
+                   n_exp, top_k, experts // n_exp if n_exp else 0)
+
+    def experts_read(self, rows: int) -> float:
+        """Experts a step reads, per layer: the expected number of distinct experts `rows` rows pick with top-k
+        routing spread evenly (all of them, soon, as the batch grows)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** rows)
 
     def flops(self, rows: int, kv_len: int) -> float:
-        """2 per weight per row, plus QK^T and PV over kv_len columns in every layer."""
+        """2 per weight a row uses (the dense ones and its top-k experts), plus QK^T and PV over kv_len columns in
+        every layer."""
         attention = 4 * self.layers * self.q_heads * self.head_dim * kv_len
-        return rows * (2.0 * self.matmul_params + attention)
+        return rows * (2.0 * (self.matmul_params + self.top_k * self.expert_params) + attention)
 
     def bytes(self, rows: int, kv_len: int) -> float:
-        """Every weight once, plus each row's K and V over kv_len columns in every layer."""
+        """Every dense weight and every expert the step uses once, plus each row's K and V over kv_len columns in
+        every layer."""
         kv = 2 * self.layers * self.kv_heads * self.head_dim * kv_len * rows
-        return (self.matmul_params + kv) * self.bytes_per_value
+        return (self.matmul_params + self.experts_read(rows) * self.expert_params + kv) * self.bytes_per_value
 
 
 @dataclass(frozen=True)
