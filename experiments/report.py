@@ -82,16 +82,15 @@ def arm_table(exp_dir: Path, arms: list[Arm]) -> list[str]:
             lines.append(f"| {arm.label} | 0 (not run) | | | | | | | | |")
             continue
         last = {seed: recs[-1] for seed, recs in per_seed.items()}
-        machines = {seed: seed_machine(meta, letters) for seed, meta in arm_meta(exp_dir, arm).items()
-                    if seed in per_seed}
-        used |= {k for seed, meta in arm_meta(exp_dir, arm).items() if seed in per_seed
-                 for k in (machine_kind(s) for s in meta["segments"])}
+        metas = arm_meta(exp_dir, arm)
+        finished = {seed: meta for seed, meta in metas.items() if seed in per_seed}
+        machines = {seed: seed_machine(meta, letters) for seed, meta in finished.items()}
+        used |= {machine_kind(s) for meta in finished.values() for s in meta["segments"]}
         before, after = interval_at(per_seed, "first"), interval_at(per_seed, "last")
         trains = train_records(exp_dir, arm)
         totals = {k: sum(r.get(k, 0.0) for recs in trains.values() for r in recs) for k in PHASES}
         whole = sum(totals.values())
         split = " / ".join(f"{100 * totals[k] / whole:.0f}" for k in PHASES) if whole > 0 else "n/a"
-        metas = arm_meta(exp_dir, arm)
         loads = [s["load_mean"] for m in metas.values() for s in m["segments"]]
         lines.append(
             f"| {arm.label} | {len(per_seed)} | {', '.join(sorted(set(machines.values())))} | {before.cell()} | "

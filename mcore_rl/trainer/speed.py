@@ -51,13 +51,10 @@ def _phase(
     return PhaseSpeed(name, seconds, tokens, gflops, frac)
 
 
-def _decode(rounds: list[dict]) -> PhaseSpeed:
-    """The embedded engine's decode steps (evaluation's too) against their decode roofline; absent (0 s) for
-    SGLang, which reports its own speed."""
-    seconds = sum(float(r.get("engine_decode_s", 0.0)) for r in rounds)
-    bound = sum(float(r.get("engine_decode_bound_s", 0.0)) for r in rounds)
-    tokens = sum(float(r.get("engine_decode_tokens", 0.0)) for r in rounds)
-    return PhaseSpeed("decode", seconds, tokens, roofline_frac=bound / seconds if seconds > 0 else None,
+def _decode(seconds: float, tokens: float, bound_s: float) -> PhaseSpeed:
+    """The embedded engine's decode steps (evaluation's too) against their decode roofline (`bound_s`: its
+    seconds for the same steps); absent (0 s) for SGLang, which reports its own speed."""
+    return PhaseSpeed("decode", seconds, tokens, roofline_frac=bound_s / seconds if seconds > 0 else None,
                       roof="decode roofline", what=" in the engine's decode steps (evaluation's included)")
 
 
@@ -83,7 +80,7 @@ def phase_speeds(run_dir: str | Path, roof_gflops: float | None) -> list[PhaseSp
                 PhaseSpeed("generate", total("time_generate"), total("rollout_tokens", rounds)))
     out = [
         generate,
-        _decode(rounds),
+        _decode(*(total(f"engine_decode_{k}", rounds) for k in ("s", "tokens", "bound_s"))),
         _phase(
             "train", total("time_train"), last.get("tokens_trained"), last.get("flops_train"), roof_gflops
         ),
