@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mcore_rl.models import varlen
+
 
 def _base():
     from megatron.core.transformer.module import MegatronModule
@@ -85,17 +87,23 @@ class SdpaAttention(_base()):  # type: ignore[misc]
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
         """THD layout (Megatron squeezed the batch dim: [tokens, heads, dim]): causal attention within each
-        sequence of the pack, one SDPA call per sequence, so no pack-sized mask and no cross-sequence work."""
+        sequence of the pack: on CUDA in one flash-attention call where it applies (varlen.py), else one SDPA call
+        per sequence; either way no pack-sized mask and no cross-sequence work."""
         if params.qkv_format != "thd" or params.cu_seqlens_q_padded is not None:
             raise ValueError("SdpaAttention: packed sequences must be 'thd' without per-sequence padding")
+        dropout = self.dropout_p if self.training else 0.0
+        if varlen.applies(query, dropout, self.window_left, self.softmax_scale):  # CUDA: one flash call (varlen.py)
+            out = varlen.packed_causal(query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
+                                       self.softmax_scale)
+            return out.reshape(query.shape[0], self.hidden_size_per_partition)
         bounds = params.cu_seqlens_q.tolist()
         outs = []
         for s, e in zip(bounds[:-1], bounds[1:]):
             q, k, v = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, n, len, d]
             mask = self._window_mask(e - s, e - s, query.device, None) if self.window_left is not None else None
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
-                is_causal=mask is None and e - s > 1, scale=self.softmax_scale, enable_gqa=self.groups != self.heads,
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None and e - s > 1,
+                scale=self.softmax_scale, enable_gqa=self.groups != self.heads,
             )
             outs.append(out.squeeze(0).transpose(0, 1))
         return torch.cat(outs).reshape(query.shape[0], self.hidden_size_per_partition)

@@ -3,13 +3,16 @@
 Why: a token-budget micro-batch of right-padded rows spends every matmul on its pad tokens too (rows * longest
 row). Packed, the decoder runs on sum(row lengths) tokens: Megatron's `PackedSeqParams(qkv_format="thd")` carries
 the sequence boundaries (cu_seqlens); its RoPE restarts positions at each boundary (`_apply_rotary_pos_emb_thd`)
-and the local spec's core attention (`models/sdpa_attention.py`) runs causal attention per sequence. Each row is
+and the local spec's core attention (`models/sdpa_attention.py`) runs causal attention per sequence (on CUDA in one
+flash-attention call, `models/varlen.py`). Each row is
 cut after its last scored token (causal attention: later tokens cannot change earlier ones).
 """
 
 from __future__ import annotations
 
 import torch
+
+from mcore_rl.compat.rope import PACK_POSITIONS
 
 
 def can_pack(gpt) -> bool:
@@ -43,6 +46,7 @@ def pack_rows(tokens: torch.Tensor, lengths: torch.Tensor):
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=tokens.device)
     cu[1:] = torch.cumsum(lengths, 0)
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)[keep]
+    setattr(cu, PACK_POSITIONS, pos)  # RoPE's per-token rows, read on the device (compat/rope.py)
     longest = int(lengths.max())
     params = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest

@@ -25,8 +25,8 @@ class PolicyConfig:
     optim: OptimSettings = field(default_factory=OptimSettings)  # the `optim.*` group's schema dataclass
     decay_steps: int = 1000  # LR schedule length; the trainer passes trainer.steps
     token_budget: int = 4096  # tokens per micro-batch (rows * padded length)
-    # micro-batch rows packed without pad tokens where the model allows (packing.py): exact, less memory, but
-    # measured slower on CPU (docs/performance.md), so off
+    # micro-batch rows packed without pad tokens where the model allows (packing.py): exact, less memory; the
+    # trainer sets it from trainer.pack_rows (trainer/setup.resolve_pack_rows: on CUDA with flash varlen attention)
     packed: bool = False
     seed: int = 0  # bf16 stochastic rounding's noise stream (with the optimizer step); LoRA A's init
     lora: LoraConfig = field(default_factory=LoraConfig)  # `model.lora`; rank 0 = full-weight training

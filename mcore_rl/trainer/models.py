@@ -25,6 +25,7 @@ def load_policies(
 
     pcfg = policy_config(cfg, dtype)
     policy = Policy(model_dir, pcfg)
+    _log_packing(policy, cfg.trainer.pack_rows, dtype)
     ref = None
     if algorithm.needs_ref_logp and not cfg.model.lora.enabled:
         ref = Policy(model_dir, policy_config(cfg, dtype), trainable=False)
@@ -45,6 +46,18 @@ def load_policies(
 
         ewma = EwmaWeights(list(policy.model.parameters()), beta=algorithm.config.ewma_beta)
     return policy, ref, ewma
+
+
+def _log_packing(policy: Policy, setting: str, dtype: str) -> None:
+    from mcore_rl.policy.packing import can_pack
+    from mcore_rl.trainer.setup import resolve_pack_rows
+
+    on, why = resolve_pack_rows(setting, dtype)
+    if on and not can_pack(policy.gpt):
+        log.warning(f"micro-batches: padded ({why}, but this model cannot pack: pipeline or context parallelism, "
+                    "sequence parallelism or Transformer Engine attention; policy/packing.can_pack)")
+    else:
+        log.warning(f"micro-batches: {'rows packed without pad tokens' if on else 'padded rows'} ({why})")
 
 
 def _load_check(policy: Policy, model_dir: Path, lc: Any, from_hf: bool) -> None:

@@ -126,7 +126,7 @@ def test_trainer_keys_through_the_cli(tmp_path):
     run_dir, ws = tmp_path / "run", tmp_path / "ws"
     cmd = [sys.executable, "-m", "mcore_rl.train", "model=tiny", "seed=7", "trainer.steps=2",
            "trainer.prompts_per_update=2", "trainer.samples_per_prompt=2", "trainer.max_new_tokens=6",
-           "trainer.temperature=1.3", "trainer.top_p=0.9", "trainer.token_budget=24", "trainer.deterministic=true",
+           "trainer.temperature=1.3", "trainer.top_p=0.9", "trainer.token_budget=24", "trainer.pack_rows=true", "trainer.deterministic=true",
            "trainer.save_every=1", "trainer.keep_checkpoints=1", "trainer.export_hf=false",
            "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
            "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1", "optim.decay_style=linear",
@@ -160,6 +160,7 @@ def test_trainer_keys_through_the_cli(tmp_path):
     # data.size=2 with 2 prompts per update: the second update starts a new epoch
     assert recs[-1]["data_epoch"] >= 1
     assert "load check skipped: model.load_check.enabled=false" in proc.stderr
+    assert "micro-batches: rows packed without pad tokens (trainer.pack_rows=true)" in proc.stderr
     # rollout.weight_layout=in: the engine decodes on [in, out] weights, and the synced versions landed in them
     assert "local engine: decode weights stored [in, out] (rollout.weight_layout)" in proc.stderr
     saved = OmegaConf.load(run_dir / "config.yaml")

@@ -74,8 +74,55 @@ def parity(model_dir: str) -> dict:
             "logp_change": (after - logp["bf16"]).mean().item()}
 
 
+def packed(model_dir: str) -> dict:
+    """bf16 on CUDA: ragged rows packed (one flash varlen call per layer, models/varlen.py) against the same rows
+    padded: log-probs and gradients, and how many varlen calls ran."""
+    from mcore_rl.config.optim import OptimSettings
+    from mcore_rl.distributed import init_distributed
+    from mcore_rl.models import varlen
+    from mcore_rl.models.spec import BuildConfig
+    from mcore_rl.policy.policy import Policy, PolicyConfig
+    from mcore_rl.policy.step import PolicyBatch, run_forward_backward
+
+    init_distributed(1, 1)
+    calls = []
+    real = varlen.packed_causal
+    varlen.packed_causal = lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 500, (6, 64), generator=g)  # tiny vocab: 512
+    mask = torch.zeros(6, 64)
+    for i, n in enumerate([64, 17, 40, 9, 55, 30]):
+        mask[i, 4:n] = 1.0
+    adv = torch.randn(6, 1, generator=g).expand(6, 64).contiguous()
+    batch = PolicyBatch(tokens, mask, {"adv": adv})
+    build = BuildConfig(dtype="bf16", transformer_impl="local")
+    pol = Policy(model_dir, PolicyConfig(build=build, optim=OptimSettings(lr=1e-3), token_budget=4096))
+    pol.load_hf(model_dir)
+    mbs = pol.micro_batches(batch)
+
+    def loss_fn(mb, logp, ent):
+        return -(mb.extras["adv"] * logp * mb.loss_mask).sum(), {}
+
+    res = []
+    for pack in (False, True):
+        pol.model.zero_grad_buffer()
+        run_forward_backward(pol.model, mbs, pol.args.vocab_size, loss_fn, 1.0, packed=pack)
+        grads = torch.cat([p.main_grad.flatten().float().clone() for p in pol.model.parameters()])
+        with torch.no_grad():
+            outs = run_forward_backward(pol.model, mbs, pol.args.vocab_size, None, 1.0, packed=pack)
+        res.append((torch.cat([o["logp"].flatten() for o in outs]).float().cpu(), grads.cpu()))
+    (lp0, g0), (lp1, g1) = res
+    scored = lp0 != 0  # both passes score the same positions of the same micro-batches (zeros elsewhere)
+    lp0, lp1 = lp0[scored], lp1[scored]
+    cos = torch.nn.functional.cosine_similarity(g0, g1, dim=0).item()
+    return {"varlen_calls": len(calls), "layers": pol.args.num_layers, "micro_batches": len(mbs),
+            "max_diff": (lp0 - lp1).abs().max().item(), "mean_diff": (lp0 - lp1).abs().mean().item(),
+            "logp_mean": lp0.mean().item(), "grad_cos": cos, "grad_norm": g0.norm().item()}
+
+
 if __name__ == "__main__":
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     mode = sys.argv[1]
-    result = collectives() if mode == "collectives" else parity(sys.argv[2])
+    result = {"collectives": lambda: collectives(), "parity": lambda: parity(sys.argv[2]),
+              "packed": lambda: packed(sys.argv[2])}[mode]()
     print("RESULT " + json.dumps(result), flush=True)
