@@ -27,7 +27,7 @@ def warn_small_gpu_budget(token_budget: int, cuda: bool | None = None) -> str | 
     """The default trainer.token_budget (512) sizes the CPU main job's micro-batches. On a GPU a micro-batch's
     host-side cost (Megatron's Python, one launch per kernel) does not shrink with its tokens: at 8,192 tokens an
     H100's 0.5B bf16 step already waited on the host, and an H200 gained up to 16,384 tokens (29% -> 33% of the
-    matmul roofline, all eager; docs/gpu_checks.md). Memory per token depends on the model and the parallel layout,
+    matmul roofline all eager; 43-47% at 16,384 with the LM head compiled; docs/gpu_checks.md). Memory per token depends on the model and the parallel layout,
     so the budget is not raised behind the user's back: one warning says what to set. Returns it (None: nothing to
     say)."""
     if cuda is None:
@@ -37,8 +37,8 @@ def warn_small_gpu_budget(token_budget: int, cuda: bool | None = None) -> str | 
     if not cuda or token_budget >= GPU_TOKEN_BUDGET:
         return None
     msg = (f"trainer.token_budget={token_budget} on CUDA: micro-batches that small leave the GPU waiting on the host; "
-           f"set trainer.token_budget={GPU_TOKEN_BUDGET}-16384 as memory allows (a 0.5B bf16 step on an H200: 29% of "
-           f"the matmul roofline at 8,192 tokens, 33% at 16,384, peak 23 and 34 GB)")
+           f"set trainer.token_budget={GPU_TOKEN_BUDGET}-16384 as memory allows (a 0.5B bf16 step on an H200: 43-47% "
+           f"of the matmul roofline at 16,384 tokens, peak 31 GB)")
     log.warning(msg)
     return msg
 
