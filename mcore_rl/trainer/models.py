@@ -25,7 +25,7 @@ def load_policies(
 
     pcfg = policy_config(cfg, dtype)
     policy = Policy(model_dir, pcfg)
-    _log_packing(policy, cfg.trainer.pack_rows, dtype)
+    _log_packing(policy, cfg.trainer.pack_rows, dtype)  # one line: packed or padded, and why
     ref = None
     if algorithm.needs_ref_logp and not cfg.model.lora.enabled:
         ref = Policy(model_dir, policy_config(cfg, dtype), trainable=False)
@@ -52,7 +52,7 @@ def _log_packing(policy: Policy, setting: str, dtype: str) -> None:
     from mcore_rl.policy.packing import can_pack
     from mcore_rl.trainer.setup import resolve_pack_rows
 
-    on, why = resolve_pack_rows(setting, dtype)
+    on, why = policy.cfg.packed, resolve_pack_rows(setting, dtype)[1]
     if on and not can_pack(policy.gpt):
         log.warning(f"micro-batches: padded ({why}, but this model cannot pack: pipeline or context parallelism, "
                     "sequence parallelism or Transformer Engine attention; policy/packing.can_pack)")
