@@ -273,3 +273,20 @@ def time_to_target_rows(exp_dir: Path, arms: list[Arm], pairs: list[tuple[Arm, A
         lines += ["", "| target | ratio | wall [95%] | CPU [95%] | compute [95%] |", "|---|---|---|---|---|",
                   *ratio_rows]
     return lines
+
+
+def train_metric(exp_dir: Path, arm: Arm, key: str, agg: str = "mean") -> str:
+    """One training metric of an arm: its mean (or max) over each seed's updates, then the mean over seeds."""
+    per_seed = [[r[key] for r in recs if key in r] for recs in train_records(exp_dir, arm).values()]
+    per_seed = [statistics.fmean(xs) if agg == "mean" else max(xs) for xs in per_seed if xs]
+    return f"{statistics.fmean(per_seed):.3f}" if per_seed else "n/a"
+
+
+def train_metric_table(exp_dir: Path, arms: list[Arm], columns: list[tuple[str, str, str]]) -> list[str]:
+    """Markdown rows: one per arm, one column per (header, metric key, "mean" | "max") of its training records
+    (what a mechanism looks like: how often a clip or a veto acted, how far the policy moved)."""
+    lines = ["| arm | " + " | ".join(h for h, _, _ in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for arm in arms:
+        lines.append(f"| {arm.label} | " + " | ".join(train_metric(exp_dir, arm, k, agg) for _, k, agg in columns)
+                     + " |")
+    return lines

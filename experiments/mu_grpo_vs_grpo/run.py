@@ -18,7 +18,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from common import Arm, arms_main, evals, git_rev, write_results  # noqa: E402
-from report import arm_table, difference_rows, machine_lines, plot_curves, time_to_target_rows  # noqa: E402
+from report import (  # noqa: E402
+    arm_table,
+    difference_rows,
+    machine_lines,
+    plot_curves,
+    time_to_target_rows,
+    train_metric_table,
+)
 
 EXP = "mu_grpo_vs_grpo"
 STEPS = 24
@@ -36,6 +43,11 @@ ARMS = [  # in priority order: a queue cut short still has the headline comparis
 ]
 HEADLINE = ("mu_grpo", "grpo_mu4")  # the claim: Mu-GRPO reaches GRPO(mu=4) in about half the wall-clock
 TRAIN_KEYS = ("pg_clipfrac", "ppo_kl", "ratio_mean", "reward_mean", "grad_norm", "update_ok", "nav_vetoed_frac")
+
+
+ACTIVITY = [("clip frac", "pg_clipfrac", "mean"), ("vetoed frac", "nav_vetoed_frac", "mean"),
+            ("vetoed frac, max update", "nav_vetoed_frac", "max"), ("ratio to rollout policy", "ratio_mean", "mean"),
+            ("KL to rollout policy", "ppo_kl", "mean")]  # fmt: skip
 
 
 def report(exp_dir: Path = HERE) -> None:
@@ -57,6 +69,11 @@ def report(exp_dir: Path = HERE) -> None:
     if sum(bool(evals(exp_dir, a)) for a in ARMS) > len(headline):
         lines += ["", "All finished arms (the lowest-ending one sets the target):", "",
                   *time_to_target_rows(exp_dir, ARMS, [(by["mu_grpo"], by[n]) for n in ("grpo_mu4", "grpo_onpolicy")])]
+    lines += ["", "## Clip and veto activity (per seed over its updates, then the mean over seeds)", "",
+              "What the ablations switch off can only matter where it acted: the fraction of tokens clipped, the "
+              "fraction the negative-advantage veto removed (its mean and its largest value in any update), and how "
+              "far the policy moved from the rollout policy (mean ratio, KL).", "",
+              *train_metric_table(exp_dir, ARMS, ACTIVITY)]
     lines += ["", "![accuracy vs updates and wall-clock](accuracy_vs_time.png)", ""]
     write_results(exp_dir, lines)
 

@@ -18,7 +18,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from common import Arm, arms_main, git_rev, seeds_for, train_records, write_results  # noqa: E402
-from report import arm_table, difference_rows, machine_lines, plot_curves, time_to_target_rows  # noqa: E402
+from report import (  # noqa: E402
+    arm_table,
+    difference_rows,
+    machine_lines,
+    plot_curves,
+    time_to_target_rows,
+    train_metric_table,
+)
 
 EXP = "ppo_ewma_async"
 STEPS = 24
@@ -111,10 +118,9 @@ TRAIN_KEYS = (
 )
 
 
-def _mean_of(exp_dir: Path, arm: Arm, key: str) -> str:
-    per_seed = [[r[key] for r in recs if key in r] for recs in train_records(exp_dir, arm).values()]
-    per_seed = [statistics.fmean(xs) for xs in per_seed if xs]
-    return f"{statistics.fmean(per_seed):.3f}" if per_seed else "n/a"
+HEALTH = [("TI keep-rate", "ti_keep_rate", "mean"), ("tokens with abs(log d) <= 0.02 (exact route)", "ti_within_0.02", "mean"),
+          ("clip frac", "pg_clipfrac", "mean"), ("KL to anchor", "ppo_kl", "mean"), ("EWMA age", "ewma_age", "mean"),
+          ("resets per update", "ewma_reset", "mean")]  # fmt: skip
 
 
 def _speed_rows(exp_dir: Path, k: int, by: dict[str, Arm]) -> list[str]:
@@ -159,19 +165,8 @@ def report(exp_dir: Path = HERE) -> None:
         *[row for k in (2, 4) for row in _speed_rows(exp_dir, k, by)],
         "## Anchor health (mean over updates, then over seeds)",
         "",
-        "| arm | TI keep-rate | tokens with abs(log d) <= 0.02 (exact route) | clip frac | KL to anchor | EWMA age "
-        "| resets per update |",
-        "|---|---|---|---|---|---|---|",
+        *train_metric_table(exp_dir, COMPARED, HEALTH),
     ]
-    for arm in COMPARED:
-        lines.append(
-            f"| {arm.label} | "
-            + " | ".join(
-                _mean_of(exp_dir, arm, k)
-                for k in ("ti_keep_rate", "ti_within_0.02", "pg_clipfrac", "ppo_kl", "ewma_age", "ewma_reset")
-            )
-            + " |"
-        )
     lines += ["", *audit_table(exp_dir), "", "![accuracy](accuracy.png)", ""]
     write_results(exp_dir, lines)
 
