@@ -520,3 +520,23 @@ def test_run_arm_resumes_the_real_trainer(tmp_path, monkeypatch):
     common.collect(exp_dir, "exp", arm, 5)
     recs = common.evals(exp_dir, arm)[5]
     assert [r["step"] for r in recs] == [0, 1, 2] and all(len(r["correct"]) == 3 for r in recs)
+
+
+def test_mu_grpo_report_shows_whether_the_clip_and_the_veto_acted(tmp_path):
+    """Mu-GRPO's activity table: per arm the clipped and vetoed fractions (mean over updates, then seeds; the
+    veto's largest update too), the mean ratio and KL, from the training records; an arm without runs says n/a."""
+    sys.path.insert(0, str(EXP))
+    mods = dict(_experiment_modules())
+    mu = mods["mu_grpo_vs_grpo"]
+    d = tmp_path / "data" / "mu_grpo"
+    d.mkdir(parents=True)
+    for i, seed in enumerate((1234, 1235)):
+        recs = [{"step": s, "pg_clipfrac": 0.0, "nav_vetoed_frac": 0.01 * s + 0.002 * i, "ratio_mean": 1.0,
+                 "ppo_kl": 0.01 * (i + 1)} for s in range(1, 5)]
+        (d / f"seed{seed}.train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows = mu.train_metric_table(tmp_path, mu.ARMS[:2], mu.ACTIVITY)
+    assert rows[0] == ("| arm | clip frac | vetoed frac | vetoed frac, max update | ratio to rollout policy | "
+                       "KL to rollout policy |")
+    # vetoed 0.010..0.040 and 0.012..0.042 (means 0.025, 0.027; maxima 0.040, 0.042): over seeds 0.026, 0.041
+    assert rows[2] == "| Mu-GRPO, 4 stages x 6 updates | 0.000 | 0.026 | 0.041 | 1.000 | 0.015 |"
+    assert rows[3] == "| GRPO mu=4, recompute anchor | n/a | n/a | n/a | n/a | n/a |"
