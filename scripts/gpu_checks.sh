@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The checks only a CUDA machine can make, in one go (about 6 minutes on one H100/H200):
-#   1. the `gpu` test suite (NCCL world of one, bf16 parity + train step, engine on cuda, CLI train + resume,
-#      CUDA IPC tensor payloads; TE FP8 where transformer_engine imports),
+#   1. the `gpu` test suite (NCCL world of one, bf16 parity + train step, packed rows vs padded, engine on cuda, CLI
+#      train + resume, CUDA IPC tensor payloads, LoRA; TE FP8 where transformer_engine imports),
 #   2. benchmarks/policy_step.py: Megatron fwd+bwd MFU for a ~0.5B Llama shape in bf16 at 16 x 1024 tokens (the GPU
 #      experiments' trainer.token_budget) as the trainer builds it (model.compile=auto on CUDA: the layers' element-
 #      wise ops eager, the LM head's log-prob kernels compiled), all eager and all compiled beside it (the roofline
-#      is the best torch.mm rate of the step's GEMM shapes on this GPU, measured in the same run),
+#      is the best torch.mm rate of the step's GEMM shapes on this GPU, measured in the same run), then ragged
+#      rows padded against packed (flash attention's varlen kernel: trainer.pack_rows=auto on CUDA),
 #   3. benchmarks/rollout_engine.py: the embedded engine's decode tokens/s against transformers.generate on a
 #      SmolLM2-135M-shaped model (random weights: the speed does not depend on them), 16 prompts x 4 samples,
 #      against the decode roofline (matmul rate, bandwidth) measured in the same run.
@@ -36,6 +37,9 @@ timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -q -m gpu -rA $XDIST tests/gpu tes
 # shorter: POLICY_FLAGS="--dtypes bf16 --heads chunked" ENGINE_FLAGS="--dtypes bfloat16 --workloads fixed"
 timeout "${BENCH_TIMEOUT:-170}" $PY benchmarks/policy_step.py --model llama-0.5b --batch 16 --seq 1024 --iters 5 \
   --no-hf ${POLICY_FLAGS:---dtypes bf16,bf16-eager,bf16-compiled --heads chunked} 2>&1 | tee "$OUT/policy_step.log"
+# ragged rows (RL-like lengths) padded vs packed through flash varlen attention (trainer.pack_rows=auto on CUDA)
+timeout "${PACK_TIMEOUT:-120}" $PY benchmarks/policy_step.py --model llama-0.5b --batch 16 --seq 1024 --iters 5 \
+  --no-hf --dtypes bf16 --heads chunked,packed --ragged 2>&1 | tee "$OUT/policy_step_packed.log"
 
 # a SmolLM2-135M-shaped random model with the SmolLM2 tokenizer (taken from the tiny model's folder)
 ENGINE_DIR=$($PY - <<'EOF'
