@@ -118,7 +118,8 @@ TRAIN_KEYS = (
 )
 
 
-HEALTH = [("TI keep-rate", "ti_keep_rate", "mean"), ("tokens with abs(log d) <= 0.02 (exact route)", "ti_within_0.02", "mean"),
+HEALTH = [("TI keep-rate", "ti_keep_rate", "mean"),
+          ("tokens with abs(log d) <= 0.02 (exact route)", "ti_within_0.02", "mean"),
           ("clip frac", "pg_clipfrac", "mean"), ("KL to anchor", "ppo_kl", "mean"), ("EWMA age", "ewma_age", "mean"),
           ("resets per update", "ewma_reset", "mean")]  # fmt: skip
 

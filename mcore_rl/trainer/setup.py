@@ -27,9 +27,9 @@ def warn_small_gpu_budget(token_budget: int, cuda: bool | None = None) -> str | 
     """The default trainer.token_budget (512) sizes the CPU main job's micro-batches. On a GPU a micro-batch's
     host-side cost (Megatron's Python, one launch per kernel) does not shrink with its tokens: at 8,192 tokens an
     H100's 0.5B bf16 step already waited on the host, and an H200 gained up to 16,384 tokens (29% -> 33% of the
-    matmul roofline all eager; 43-47% at 16,384 with the LM head compiled; docs/gpu_checks.md). Memory per token depends on the model and the parallel layout,
-    so the budget is not raised behind the user's back: one warning says what to set. Returns it (None: nothing to
-    say)."""
+    matmul roofline all eager; 43-47% at 16,384 with the LM head compiled; docs/gpu_checks.md). Memory per token
+    depends on the model and the parallel layout, so the budget is not raised behind the user's back: one warning
+    says what to set. Returns it (None: nothing to say)."""
     if cuda is None:
         import torch
 
