@@ -120,11 +120,21 @@ def _dtype(segment: dict) -> str:
     return dtypes[-1] if dtypes else "?"
 
 
+def _route(segment: dict) -> str:
+    """How a bf16 segment's matrix products ran: through fp32 GEMMs (compat/bf16_matmul.py, CPUs without bf16
+    matrix hardware) or torch's own kernels. A segment without the record ran before that route existed: native."""
+    if _dtype(segment) != "bf16":
+        return ""
+    return " (bf16 products through fp32 GEMMs)" if segment.get("bf16_matmul") == "fp32 GEMM" else ""
+
+
 def machine_kind(segment: dict) -> str:
-    """The machine a segment's wall-clock and CPU-seconds belong to: CPU model, cores and model.dtype (the host
-    name and the load do not make another kind). Times compare only within one kind: the queue runs over several
-    days on whichever machine it lands, and two CPU models can differ by their bf16 kernels alone."""
-    return f"{segment.get('cpu_model', '?')}, {segment.get('cpu_count', '?')} cores, model.dtype={_dtype(segment)}"
+    """The machine a segment's wall-clock and CPU-seconds belong to: CPU model, cores, model.dtype and the bf16
+    route (the host name and the load do not make another kind). Times compare only within one kind: the queue
+    runs over several days on whichever machine it lands, and one CPU model name covers parts with and without
+    bf16 matrix hardware (segments named "AMD EPYC" ran bf16 natively on one part, through fp32 GEMMs on another)."""
+    return (f"{segment.get('cpu_model', '?')}, {segment.get('cpu_count', '?')} cores, "
+            f"model.dtype={_dtype(segment)}{_route(segment)}")
 
 
 def machine_letters(exp_dir: Path) -> dict[str, str]:
@@ -155,9 +165,8 @@ def machine_lines(exp_dir: Path, arms: list[Arm]) -> list[str]:
     for arm in arms:
         for meta in arm_meta(exp_dir, arm).values():
             for s in meta["segments"]:
-                route = {"fp32 GEMM": " (bf16 products through fp32 GEMMs)"}.get(s.get("bf16_matmul"), "")
                 key = (f"{s.get('cpu_model', '?')}, {s.get('cpu_count', '?')} cores ({s.get('host', '?')}), "
-                       f"model.dtype={_dtype(s)}{route}")
+                       f"model.dtype={_dtype(s)}{_route(s)}")
                 seen.setdefault(key, []).append(s["load_mean"])
     if not seen:
         return ["Machine: no runs recorded yet."]
@@ -279,7 +288,10 @@ def train_metric(exp_dir: Path, arm: Arm, key: str, agg: str = "mean") -> str:
     """One training metric of an arm: its mean (or max) over each seed's updates, then the mean over seeds."""
     per_seed = [[r[key] for r in recs if key in r] for recs in train_records(exp_dir, arm).values()]
     per_seed = [statistics.fmean(xs) if agg == "mean" else max(xs) for xs in per_seed if xs]
-    return f"{statistics.fmean(per_seed):.3f}" if per_seed else "n/a"
+    if not per_seed:
+        return "n/a"
+    v = statistics.fmean(per_seed)
+    return f"{v:.1e}" if 0 < abs(v) < 5e-4 else f"{v:.3f}"  # a rare event stays visible, not rounded to 0.000
 
 
 def train_metric_table(exp_dir: Path, arms: list[Arm], columns: list[tuple[str, str, str]]) -> list[str]:

@@ -42,12 +42,15 @@ ARMS = [  # in priority order: a queue cut short still has the headline comparis
     Arm("mu_grpo_veto_seq", "Mu-GRPO, veto scope seq", [*MU, "algorithm.nav_scope=seq"], STEPS, save_every=6),
 ]
 HEADLINE = ("mu_grpo", "grpo_mu4")  # the claim: Mu-GRPO reaches GRPO(mu=4) in about half the wall-clock
-TRAIN_KEYS = ("pg_clipfrac", "ppo_kl", "ratio_mean", "reward_mean", "grad_norm", "update_ok", "nav_vetoed_frac")
+TRAIN_KEYS = ("pg_clipfrac", "ppo_kl", "ratio_mean", "reward_mean", "grad_norm", "update_ok", "nav_vetoed_frac",
+              "nav_trigger_frac", "nav_rho_below_0.1", "nav_rho_below_0.01")
 
 
 ACTIVITY = [("clip frac", "pg_clipfrac", "mean"), ("vetoed frac", "nav_vetoed_frac", "mean"),
             ("vetoed frac, max update", "nav_vetoed_frac", "max"), ("ratio to rollout policy", "ratio_mean", "mean"),
-            ("KL to rollout policy", "ppo_kl", "mean")]  # fmt: skip
+            ("KL to rollout policy", "ppo_kl", "mean"), ("triggers, max update", "nav_trigger_frac", "max"),
+            ("A<0 tokens rho<0.1, max update", "nav_rho_below_0.1", "max"),
+            ("A<0 tokens rho<0.01, max update", "nav_rho_below_0.01", "max")]  # fmt: skip
 
 
 def report(exp_dir: Path = HERE) -> None:
@@ -71,8 +74,12 @@ def report(exp_dir: Path = HERE) -> None:
                   *time_to_target_rows(exp_dir, ARMS, [(by["mu_grpo"], by[n]) for n in ("grpo_mu4", "grpo_onpolicy")])]
     lines += ["", "## Clip and veto activity (per seed over its updates, then the mean over seeds)", "",
               "What the ablations switch off can only matter where it acted: the fraction of tokens clipped, the "
-              "fraction the negative-advantage veto removed (its mean and its largest value in any update), and how "
-              "far the policy moved from the rollout policy (mean ratio, KL).", "",
+              "fraction the negative-advantage veto removed (its mean and its largest value in any update), how far "
+              "the policy moved from the rollout policy (mean ratio, KL), the fraction of tokens that triggered the "
+              "veto (ratio below nav_delta = 1e-4 on a negative-advantage response: every scope vetoes only tokens "
+              "after a trigger, so without triggers every scope and veto off are one loss), and the largest share of "
+              "negative-advantage tokens whose ratio fell below 0.1 and 0.01 in any update (how close they came). "
+              "Runs recorded before these were logged show n/a.", "",
               *train_metric_table(exp_dir, ARMS, ACTIVITY)]
     lines += ["", "![accuracy vs updates and wall-clock](accuracy_vs_time.png)", ""]
     write_results(exp_dir, lines)

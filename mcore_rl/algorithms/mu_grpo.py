@@ -48,6 +48,10 @@ _SCOPES: dict[str, Callable[[Tensor], Tensor]] = {
     "trigger": lambda trig: trig,
 }
 NAV_SCOPES: tuple[str, ...] = tuple(_SCOPES) + ("none",)
+# Every scope vetoes a subset of what follows a trigger (rho < nav_delta on an A < 0 token), so a run without
+# triggers computes the same loss under every scope and with the veto off. The probes say how close the policy
+# came: the share of A < 0 tokens whose ratio fell below each value, logged as nav_rho_below_<p> per step.
+RHO_PROBES = (0.5, 0.1, 0.01)
 
 
 @torch.no_grad()
@@ -86,7 +90,8 @@ class MuGrpoConfig(GrpoConfig):
 class MuGRPO(GRPO):
     config_cls = MuGrpoConfig
     config: MuGrpoConfig
-    sum_keys = ("nav_vetoed", "neg_tokens", "neg_ratio_sum")
+    sum_keys = ("nav_vetoed", "nav_triggers", "neg_tokens", "neg_ratio_sum",
+                *(f"nav_rho_below_{p:g}" for p in RHO_PROBES))
     skips_inert_rows = False  # its veto scopes read whole-sequence / whole-batch ratios, inert rows included
 
     def policy_terms(self, batch: TokenBatch, reduce: Reducer) -> PolicyTerms:
@@ -102,9 +107,14 @@ class MuGRPO(GRPO):
             "nav_vetoed_seqs": vetoed.any(dim=1).sum().to(f),
             "ratio_mean_neg_adv": masked_mean(rho, neg),
         })
-        sums = {"nav_vetoed": vetoed.sum(), "neg_tokens": neg.sum(), "neg_ratio_sum": (rho * neg).sum()}
+        sums = {"nav_vetoed": vetoed.sum(), "nav_triggers": trig.sum(), "neg_tokens": neg.sum(),
+                "neg_ratio_sum": (rho * neg).sum(),
+                **{f"nav_rho_below_{p:g}": (neg & (rho < p)).sum() for p in RHO_PROBES}}
         return PolicyTerms(pg=loss, keep=(~vetoed).to(f), metrics=metrics, sums=sums)
 
     def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        neg = max(sums["neg_tokens"], 1.0)
         return {"nav_vetoed_frac": sums["nav_vetoed"] / max(sums["tok_total"], 1.0),
-                "ratio_mean_neg_adv": sums["neg_ratio_sum"] / max(sums["neg_tokens"], 1.0)}
+                "nav_trigger_frac": sums["nav_triggers"] / max(sums["tok_total"], 1.0),
+                "ratio_mean_neg_adv": sums["neg_ratio_sum"] / neg,
+                **{f"nav_rho_below_{p:g}": sums[f"nav_rho_below_{p:g}"] / neg for p in RHO_PROBES}}

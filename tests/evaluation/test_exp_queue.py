@@ -401,6 +401,10 @@ def test_segments_record_which_kernels_computed_bf16(tmp_path, monkeypatch, capl
     lines = report.machine_lines(tmp_path / "exp", [arm])
     assert lines[0].startswith("Machine: Intel Xeon, 2 cores (h), model.dtype=bf16 (bf16 products through fp32 GEMMs)")
     assert lines[1].startswith("Machine: Intel Xeon, 2 cores (h), model.dtype=bf16; 1 segments")
+    # one CPU model name, two routes: two machine kinds, so their wall-clocks never share a mean or a ratio
+    assert report.machine_letters(tmp_path / "exp") == {
+        "Intel Xeon, 2 cores, model.dtype=bf16": "A",
+        "Intel Xeon, 2 cores, model.dtype=bf16 (bf16 products through fp32 GEMMs)": "B"}
 
 
 def test_p3o_report_plots_ess_and_clip_fraction_over_training(tmp_path):
@@ -524,7 +528,9 @@ def test_run_arm_resumes_the_real_trainer(tmp_path, monkeypatch):
 
 def test_mu_grpo_report_shows_whether_the_clip_and_the_veto_acted(tmp_path):
     """Mu-GRPO's activity table: per arm the clipped and vetoed fractions (mean over updates, then seeds; the
-    veto's largest update too), the mean ratio and KL, from the training records; an arm without runs says n/a."""
+    veto's largest update too), the mean ratio and KL, the trigger fraction and how many A < 0 tokens came near
+    the trigger (largest update), from the training records; a rare event shows as such, not as 0.000; an arm
+    without runs, or a column its records lack, says n/a."""
     sys.path.insert(0, str(EXP))
     mods = dict(_experiment_modules())
     mu = mods["mu_grpo_vs_grpo"]
@@ -532,11 +538,15 @@ def test_mu_grpo_report_shows_whether_the_clip_and_the_veto_acted(tmp_path):
     d.mkdir(parents=True)
     for i, seed in enumerate((1234, 1235)):
         recs = [{"step": s, "pg_clipfrac": 0.0, "nav_vetoed_frac": 0.01 * s + 0.002 * i, "ratio_mean": 1.0,
-                 "ppo_kl": 0.01 * (i + 1)} for s in range(1, 5)]
+                 "ppo_kl": 0.01 * (i + 1), "nav_trigger_frac": 2e-5 * (s == 4) * (i + 1),
+                 "nav_rho_below_0.1": 0.02 * s} for s in range(1, 5)]
         (d / f"seed{seed}.train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     rows = mu.train_metric_table(tmp_path, mu.ARMS[:2], mu.ACTIVITY)
     assert rows[0] == ("| arm | clip frac | vetoed frac | vetoed frac, max update | ratio to rollout policy | "
-                       "KL to rollout policy |")
-    # vetoed 0.010..0.040 and 0.012..0.042 (means 0.025, 0.027; maxima 0.040, 0.042): over seeds 0.026, 0.041
-    assert rows[2] == "| Mu-GRPO, 4 stages x 6 updates | 0.000 | 0.026 | 0.041 | 1.000 | 0.015 |"
-    assert rows[3] == "| GRPO mu=4, recompute anchor | n/a | n/a | n/a | n/a | n/a |"
+                       "KL to rollout policy | triggers, max update | A<0 tokens rho<0.1, max update | "
+                       "A<0 tokens rho<0.01, max update |")
+    # vetoed 0.010..0.040 and 0.012..0.042 (means 0.025, 0.027; maxima 0.040, 0.042): over seeds 0.026, 0.041;
+    # triggers only at update 4 (2e-5, 4e-5): 3.0e-05
+    assert rows[2] == ("| Mu-GRPO, 4 stages x 6 updates | 0.000 | 0.026 | 0.041 | 1.000 | 0.015 | 3.0e-05 | 0.080 "
+                       "| n/a |")
+    assert rows[3] == "| GRPO mu=4, recompute anchor | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |"
