@@ -125,7 +125,7 @@ def _route(segment: dict) -> str:
     matrix hardware) or torch's own kernels. A segment without the record ran before that route existed: native."""
     if _dtype(segment) != "bf16":
         return ""
-    return " (bf16 products through fp32 GEMMs)" if segment.get("bf16_matmul") == "fp32 GEMM" else ""
+    return " (bf16 products through fp32 GEMMs)" if segment.get("bf16_matmul") == "fp32 GEMM" else " (native bf16)"
 
 
 def machine_kind(segment: dict) -> str:

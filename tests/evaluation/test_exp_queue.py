@@ -329,14 +329,14 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path, monkeypatch):
     )
     assert "0 (not run)" in rows["GRPO on-policy (mu=1)"]
     assert text.count(" [0.") + text.count(" [-0.") >= 4  # intervals on before/after cells and the difference
-    assert "AMD EPYC, 2 cores (h), model.dtype=bf16; 6 segments" in text
+    assert "AMD EPYC, 2 cores (h), model.dtype=bf16 (native bf16); 6 segments" in text
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 10_000
     assert drawn == [1]  # the ablations' row would hold only Mu-GRPO, already drawn above it: left out
     # the faster-learning arm reaches the common targets sooner at the same wall-clock per update: ratio < 1
     ratios = [ln for ln in text.splitlines() if " / GRPO mu=4, recompute anchor | " in ln]
     assert len(ratios) == 2 and all(0.0 < float(ln.split(" | ")[2].split(" [")[0]) < 1.0 for ln in ratios)
     assert all(0.0 < float(ln.split(" | ")[4].split(" [")[0]) < 1.0 for ln in ratios)  # and in FLOPs
-    assert "Machines: A = AMD EPYC, 2 cores, model.dtype=bf16." in text
+    assert "Machines: A = AMD EPYC, 2 cores, model.dtype=bf16 (native bf16)." in text
 
     # GRPO's runs on another machine: its wall-clock and CPU time say nothing about the algorithms, FLOPs still do
     for meta in (tmp_path / "data" / "grpo_mu4").glob("*.arm.json"):
@@ -346,7 +346,8 @@ def test_report_only_rebuilds_tables_and_plot_from_data(tmp_path, monkeypatch):
     ratios = [ln for ln in text.splitlines() if " / GRPO mu=4, recompute anchor | " in ln]
     assert len(ratios) == 2 and all(ln.count("n/a (different machines)") == 2 for ln in ratios)
     assert all(0.0 < float(ln.split(" | ")[4].split(" [")[0]) < 1.0 for ln in ratios)
-    assert "A = AMD EPYC, 2 cores, model.dtype=bf16; B = Intel Xeon, 2 cores, model.dtype=bf16" in text
+    assert ("A = AMD EPYC, 2 cores, model.dtype=bf16 (native bf16); B = Intel Xeon, 2 cores, model.dtype=bf16 "
+            "(native bf16)") in text
     assert any(ln.startswith("| 100% of the gain") and "| GRPO mu=4, recompute anchor | B |" in ln
                for ln in text.splitlines())
     arm_row = next(ln for ln in text.splitlines() if ln.startswith("| GRPO mu=4, recompute anchor | 2 |"))
@@ -400,11 +401,11 @@ def test_segments_record_which_kernels_computed_bf16(tmp_path, monkeypatch, capl
     (d / "seed1.arm.json").write_text(json.dumps({"segments": [{**seg, "bf16_matmul": "fp32 GEMM"}, seg]}))
     lines = report.machine_lines(tmp_path / "exp", [arm])
     assert lines[0].startswith("Machine: Intel Xeon, 2 cores (h), model.dtype=bf16 (bf16 products through fp32 GEMMs)")
-    assert lines[1].startswith("Machine: Intel Xeon, 2 cores (h), model.dtype=bf16; 1 segments")
+    assert lines[1].startswith("Machine: Intel Xeon, 2 cores (h), model.dtype=bf16 (native bf16); 1 segments")
     # one CPU model name, two routes: two machine kinds, so their wall-clocks never share a mean or a ratio
     assert report.machine_letters(tmp_path / "exp") == {
-        "Intel Xeon, 2 cores, model.dtype=bf16": "A",
-        "Intel Xeon, 2 cores, model.dtype=bf16 (bf16 products through fp32 GEMMs)": "B"}
+        "Intel Xeon, 2 cores, model.dtype=bf16 (bf16 products through fp32 GEMMs)": "A",
+        "Intel Xeon, 2 cores, model.dtype=bf16 (native bf16)": "B"}
 
 
 def test_p3o_report_plots_ess_and_clip_fraction_over_training(tmp_path):
