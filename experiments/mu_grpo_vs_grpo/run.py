@@ -76,8 +76,8 @@ def report(exp_dir: Path = HERE) -> None:
               "What the ablations switch off can only matter where it acted: the fraction of tokens clipped, the "
               "fraction the negative-advantage veto removed (its mean and its largest value in any update), how far "
               "the policy moved from the rollout policy (mean ratio, KL), the fraction of tokens that triggered the "
-              "veto (ratio below nav_delta = 1e-4 on a negative-advantage response: every scope vetoes only tokens "
-              "after a trigger, so without triggers every scope and veto off are one loss), and the largest share of "
+              "veto (ratio below nav_delta = 1e-4 on a negative-advantage response: every scope vetoes tokens only "
+              "in responses that hold a trigger, so without triggers every scope and veto off are one loss), and the largest share of "
               "negative-advantage tokens whose ratio fell below 0.1 and 0.01 in any update (how close they came). "
               "Runs recorded before these were logged show n/a.", "",
               *train_metric_table(exp_dir, ARMS, ACTIVITY)]

@@ -48,8 +48,8 @@ _SCOPES: dict[str, Callable[[Tensor], Tensor]] = {
     "trigger": lambda trig: trig,
 }
 NAV_SCOPES: tuple[str, ...] = tuple(_SCOPES) + ("none",)
-# Every scope vetoes a subset of what follows a trigger (rho < nav_delta on an A < 0 token), so a run without
-# triggers computes the same loss under every scope and with the veto off. The probes say how close the policy
+# Every scope vetoes tokens only in responses that hold a trigger (rho < nav_delta on an A < 0 token), so a run
+# without triggers computes the same loss under every scope and with the veto off. The probes say how close the policy
 # came: the share of A < 0 tokens whose ratio fell below each value, logged as nav_rho_below_<p> per step.
 RHO_PROBES = (0.5, 0.1, 0.01)
 
@@ -113,8 +113,8 @@ class MuGRPO(GRPO):
         return PolicyTerms(pg=loss, keep=(~vetoed).to(f), metrics=metrics, sums=sums)
 
     def step_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        neg = max(sums["neg_tokens"], 1.0)
-        return {"nav_vetoed_frac": sums["nav_vetoed"] / max(sums["tok_total"], 1.0),
-                "nav_trigger_frac": sums["nav_triggers"] / max(sums["tok_total"], 1.0),
+        tok, neg = max(sums["tok_total"], 1.0), max(sums["neg_tokens"], 1.0)
+        return {"nav_vetoed_frac": sums["nav_vetoed"] / tok,
+                "nav_trigger_frac": sums["nav_triggers"] / tok,
                 "ratio_mean_neg_adv": sums["neg_ratio_sum"] / neg,
                 **{f"nav_rho_below_{p:g}": sums[f"nav_rho_below_{p:g}"] / neg for p in RHO_PROBES}}
