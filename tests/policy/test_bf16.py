@@ -176,9 +176,14 @@ def test_cli_trains_tiny_in_bf16_with_auto_choice_logged(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in recs] == [1, 2] and all(r["update_ok"] == 1.0 for r in recs)
-        # the train/rollout mismatch is measured every step (bf16 engine vs bf16 trainer: small but nonzero)
-        assert 0 < recs[-1]["train_rollout_logprob_abs_diff"] < 0.5
         recorded = (run_dir / "config.yaml").read_text()
+        # the train/rollout mismatch is measured every step: bf16 engine vs bf16 trainer is small but nonzero;
+        # where `auto` picks fp32 (an AVX2-only machine) both sides run the same fp32 kernels and may agree exactly
+        diff = recs[-1]["train_rollout_logprob_abs_diff"]
+        if "dtype: bf16" in recorded:
+            assert 0 < diff < 0.5
+        else:
+            assert 0 <= diff < 1e-4
         if dt == "auto":
             assert "model.dtype=auto -> " in proc.stderr and "GFLOP/s" in proc.stderr
             assert ("dtype: bf16" in recorded) or ("dtype: fp32" in recorded)
