@@ -77,8 +77,9 @@ def report(exp_dir: Path = HERE) -> None:
               "fraction the negative-advantage veto removed (its mean and its largest value in any update), how far "
               "the policy moved from the rollout policy (mean ratio, KL), the fraction of tokens that triggered the "
               "veto (ratio below nav_delta = 1e-4 on a negative-advantage response: every scope vetoes tokens only "
-              "in responses that hold a trigger, so without triggers every scope and veto off are one loss), and the largest share of "
-              "negative-advantage tokens whose ratio fell below 0.1 and 0.01 in any update (how close they came). "
+              "in responses that hold a trigger, so without triggers every scope and veto off are one loss), and "
+              "the largest share of negative-advantage tokens whose ratio fell below 0.1 and 0.01 in any update (how "
+              "close they came). "
               "Runs recorded before these were logged show n/a.", "",
               *train_metric_table(exp_dir, ARMS, ACTIVITY)]
     lines += ["", "![accuracy vs updates and wall-clock](accuracy_vs_time.png)", ""]
