@@ -63,6 +63,9 @@ BASE_OVERRIDES = [
     # every arm trains every row, as the runs already in data/ did: skipping zero-gradient rows (GRPO-family arms
     # only) is the same update but would make those arms' wall-clock incomparable with the rest
     "trainer.skip_inert_rows=false",
+    # and every arm with the recompute anchor runs its scoring forward, as those in data/ did (one update per round
+    # could take it from the update's own forward: same update, less wall-clock)
+    "trainer.reuse_old_logp=false",
 ]
 
 

@@ -42,6 +42,9 @@ class OldLogpSource:
     keeps_versions: ClassVar[bool] = False     # holds a VersionStore of its own (exact per-token-version scoring)
     needs_interrupt: ClassVar[bool] = False    # the engine must restart in-flight samples at each weight update
     exact: ClassVar[bool] = False              # every token scored under the version that generated it
+    # its log-probs are the live weights' forward before the round's first update: the update's own forward
+    # gives them again when a round has one update (`reusable`)
+    from_live_weights: ClassVar[bool] = False
 
     def __init__(self, ctx: SourceContext) -> None:
         self.ctx = ctx
@@ -78,6 +81,12 @@ class OldLogpSource:
 
     def compute(self, rb, version: int) -> Tensor | None:
         raise NotImplementedError
+
+    @property
+    def reusable(self) -> bool:
+        """True: the trainer may take old_logp from the update's own forward (detached) instead of `old_logp`,
+        on rounds of one update. Not with the audit, which measures this source's log-probs before the update."""
+        return self.from_live_weights and self.auditor is None
 
     # ---- checkpoint (per rank: each rank's own shard of every stored version) ------------------------------
     def state_dict(self) -> dict:

@@ -10,5 +10,7 @@ from mcore_rl.oldlogp.registry import register_source
 
 @register_source("recompute")
 class RecomputeSource(OldLogpSource):
+    from_live_weights = True
+
     def compute(self, rb, version: int):
         return recompute_logp(self.ctx, rb)

@@ -24,7 +24,7 @@ from mcore_rl.policy.policy import Policy
 from mcore_rl.policy.precision import configure_bf16_matmul, engine_dtype, resolve_dtype
 from mcore_rl.trainer.checkpointer import Checkpointer
 from mcore_rl.trainer.heldout import Evaluator
-from mcore_rl.trainer.learner import Learner
+from mcore_rl.trainer.learner import Learner, reuses_old_logp
 from mcore_rl.trainer.models import load_policies, make_engine
 from mcore_rl.trainer.rounds import PromptsLog, Rounds
 from mcore_rl.trainer.runlog import RunLog
@@ -237,14 +237,18 @@ def _round_parts(
     cfg: MainConfig, lay: Layout, algorithm: Algorithm, schedule: Schedule, oldlogp: Any, p: _Parts
 ) -> tuple[Rounds, Learner, PromptsLog]:
     t = cfg.trainer
-    passes = int(algorithm.needs_old_logp) + int(p.ref is not None) + int(p.ewma is not None)
+    reuse = reuses_old_logp(t.reuse_old_logp, oldlogp, algorithm, schedule.updates_per_round, p.policy)
+    if reuse and lay.rank == 0:
+        log.info("old_logp: from each update's own forward (recompute, one update per round; "
+                 "trainer.reuse_old_logp=false runs a separate scoring forward)")
+    passes = int(algorithm.needs_old_logp and not reuse) + int(p.ref is not None) + int(p.ewma is not None)
     rounds = Rounds(schedule, lay.rank, t.samples_per_prompt, t.prompts_per_update, cfg.algorithm, data=p.data,
                     reward_fn=p.reward_fn, compute=p.compute, engine=p.engine, scoring_passes=passes,
                     episodes=cfg.env is not None, mask_stale=cfg.partial_rollout.enabled and cfg.partial_rollout.mask_stale)  # fmt: skip
     prompts_log = PromptsLog(lay.run_dir / "prompts.jsonl", enabled=lay.rank == 0)
     guard = NonFiniteGuard(max_consecutive=t.max_nonfinite_skips)
     learner = Learner(p.policy, algorithm, oldlogp, guard, t.temperature, lay.dp, lay.dp_rank, prompts_log,
-                      ref=p.ref, ewma=p.ewma, skip_inert_rows=t.skip_inert_rows)  # fmt: skip
+                      ref=p.ref, ewma=p.ewma, skip_inert_rows=t.skip_inert_rows, reuse_old_logp=reuse)  # fmt: skip
     return rounds, learner, prompts_log
 
 

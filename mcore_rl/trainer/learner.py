@@ -21,7 +21,8 @@ def _last_stage(logp: torch.Tensor | None, rb: RolloutBatch) -> torch.Tensor:
 
 class Learner:
     """`ref`: the frozen reference policy (KL); `ewma`: PPO-EWMA's proximal weights; `oldlogp`: the old-log-prob
-    source (mcore_rl/oldlogp) the algorithm's `old_logp_source` names."""
+    source (mcore_rl/oldlogp) the algorithm's `old_logp_source` names; `reuse_old_logp` (decided once by
+    `reuses_old_logp`): old_logp comes from each update's own forward, not from a scoring pass."""
 
     def __init__(
         self,
@@ -36,17 +37,20 @@ class Learner:
         ref: Any = None,
         ewma: Any = None,
         skip_inert_rows: bool = False,
+        reuse_old_logp: bool = False,
     ) -> None:
         self.policy, self.algorithm, self.oldlogp, self.guard = policy, algorithm, oldlogp, guard
         self.temperature, self.dp, self.dp_rank, self.prompts_log = temperature, dp, dp_rank, prompts_log
         self.ref, self.ewma, self.skip_inert_rows = ref, ewma, skip_inert_rows
+        self.reuse_old_logp = reuse_old_logp
 
     def anchors(self, rb: RolloutBatch, version: int) -> dict[str, torch.Tensor]:
         """old_logp (from the source; None = anchor on the engine's rollout log-probs) and ref_logp, whole round."""
         out: dict[str, torch.Tensor] = {}
-        old = self.oldlogp.old_logp(rb, version)
-        if old is not None or self.algorithm.needs_old_logp:
-            out["old_logp"] = _last_stage(old, rb)
+        if not self.reuse_old_logp:
+            old = self.oldlogp.old_logp(rb, version)
+            if old is not None or self.algorithm.needs_old_logp:
+                out["old_logp"] = _last_stage(old, rb)
         if self.ref is not None:
             out["ref_logp"] = _last_stage(self.ref.logprobs(rb.policy_batch(), self.temperature), rb)
         return out
@@ -98,6 +102,7 @@ class Learner:
             guard=self.guard,
             update_index=update_index,
             skip_inert_rows=self.skip_inert_rows,
+            old_logp_from_forward=self.reuse_old_logp,
         )
         metrics["time_train"] = time.perf_counter() - t0
         per = -(
@@ -107,3 +112,16 @@ class Learner:
             update_index, {"round": round_index, "prompt_ids": prompt_ids[u * per : (u + 1) * per]}
         )
         return metrics
+
+
+def reuses_old_logp(enabled: bool, source: Any, algorithm: Algorithm, updates_per_round: int, policy: Any) -> bool:
+    """Whether the update's own forward may stand in for the old-log-prob pass (`trainer.reuse_old_logp`).
+
+    Why it is the same anchor: the source scores the round with the live weights before its first update, and a
+    round of one update runs its forward with exactly those weights, on the same rows, in the same micro-batches.
+    What rules it out: a source that is not the live weights (snapshot, rollout, ...) or is audited; more than one
+    update per round (the second update's weights have moved); statistics over the whole batch before the first
+    micro-batch (P3O's batch ESS reads old_logp there); a training forward that differs from the scoring one
+    (LoRA dropout)."""
+    return (enabled and algorithm.needs_old_logp and getattr(source, "reusable", False) and updates_per_round == 1
+            and not algorithm.needs_step_logp and policy.cfg.lora.dropout == 0)

@@ -111,14 +111,18 @@ class NonFiniteGuard:
         return True
 
 
-def _loss_fn(alg: Algorithm, reduce, inject: bool):
+def _loss_fn(alg: Algorithm, reduce, inject: bool, old_from_forward: bool = False):
     """The per-micro-batch loss Megatron's forward-backward calls: the algorithm's loss on the micro-batch's
-    tokens (`inject`: the fault suite's NaN at this update)."""
+    tokens (`inject`: the fault suite's NaN at this update; `old_from_forward`: old_logp is this forward's own
+    log-probs, detached -- the anchor of a round's only update, `learner.reuses_old_logp`)."""
 
     def loss_fn(mb, logp, entropy):
+        old = mb.extras.get("old_logp")
+        if old is None and old_from_forward:
+            old = logp.detach().float()
         tb = TokenBatch(
             logp=logp, mask=mb.loss_mask, advantages=mb.extras["adv"], rollout_logp=mb.extras["rollout_logp"],
-            token_weight=mb.extras["w"], old_logp=mb.extras.get("old_logp"), prox_logp=mb.extras.get("prox_logp"),
+            token_weight=mb.extras["w"], old_logp=old, prox_logp=mb.extras.get("prox_logp"),
             ref_logp=mb.extras.get("ref_logp"), entropy=entropy if alg.needs_entropy else None,
         )
         loss, metrics = alg.loss(tb, reduce)
@@ -163,10 +167,14 @@ def live_rows(alg: Algorithm, advantages: torch.Tensor, weights: torch.Tensor) -
 def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tensor, keep: torch.Tensor,
                anchors: dict[str, torch.Tensor], temperature: float, ewma=None,
                guard: NonFiniteGuard | None = None, update_index: int | None = None,
-               skip_inert_rows: bool = False) -> dict[str, float]:
+               skip_inert_rows: bool = False, old_logp_from_forward: bool = False) -> dict[str, float]:
     """Train on this DP rank's rows `rb` of one mini-batch. `anchors`: old_logp / prox_logp / ref_logp [N, L].
     `guard`: skip the step when anything is non-finite; `update_index` (1-based) names it in logs;
-    `skip_inert_rows`: leave rows with an exactly zero gradient out of the forward/backward (`live_rows`)."""
+    `skip_inert_rows`: leave rows with an exactly zero gradient out of the forward/backward (`live_rows`);
+    `old_logp_from_forward`: `anchors` has no old_logp, the loss takes it from its own forward (detached)."""
+    if old_logp_from_forward and alg.needs_step_logp:
+        raise ValueError(f"algorithm {alg.name!r} reads old_logp over the whole batch before the first micro-batch: "
+                         "it cannot come from the update's own forward (trainer.reuse_old_logp)")
     reduce = dp_reducer()
     weights = alg.token_weights(rb.loss_mask, rb.group_ids, reduce, keep)  # denominators over the whole batch
     adv_tok = advantages[:, None].float() * rb.loss_mask
@@ -185,8 +193,8 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
             anchor = anchors["old_logp"] if alg.needs_old_logp else rb.rollout_logp
             step_metrics = alg.begin_step(logp, anchor, rb.loss_mask, reduce)
     policy.zero_grad()
-    outs = policy.forward_backward(batch, _loss_fn(alg, reduce, nan_at(update_index)), temperature,
-                                   with_entropy=True)
+    outs = policy.forward_backward(batch, _loss_fn(alg, reduce, nan_at(update_index), old_logp_from_forward),
+                                   temperature, with_entropy=True)
     metrics = {**(mean_metrics(outs) if outs else {}), **step_metrics, **trained}
     if policy.is_last_stage():
         acc = alg.finish_accumulation(reduce)
