@@ -118,7 +118,8 @@ def reuses_old_logp(enabled: bool, source: Any, algorithm: Algorithm, updates_pe
     """Whether the update's own forward may stand in for the old-log-prob pass (`trainer.reuse_old_logp`).
 
     Why it is the same anchor: the source scores the round with the live weights before its first update, and a
-    round of one update runs its forward with exactly those weights, on the same rows, in the same micro-batches.
+    round of one update runs its forward with exactly those weights over every token its loss reads (it may
+    group them into other micro-batches: equal up to rounding).
     What rules it out: a source that is not the live weights (snapshot, rollout, ...) or is audited; more than one
     update per round (the second update's weights have moved); statistics over the whole batch before the first
     micro-batch (P3O's batch ESS reads old_logp there); a training forward that differs from the scoring one
