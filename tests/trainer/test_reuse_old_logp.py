@@ -9,7 +9,6 @@ of GRPO on the tiny task with and without reuse train alike while the reusing on
 
 from __future__ import annotations
 
-import copy
 import json
 from types import SimpleNamespace
 
@@ -20,7 +19,7 @@ from mcore_rl.algorithms import build_algorithm
 from mcore_rl.oldlogp import SourceContext, build_source
 from mcore_rl.trainer.learner import reuses_old_logp
 from mcore_rl.trainer.update import run_update
-from tests.policy.conftest import loaded_policy
+from tests.policy.conftest import loaded_policy, restored
 from tests.trainer.test_skip_inert_rows import _batch
 
 pytestmark = pytest.mark.multiproc  # builds real Megatron modules (one gloo rank)
@@ -45,14 +44,11 @@ def _update(policy, alg, rb, reuse: bool) -> tuple[dict, torch.Tensor]:
 def test_the_update_is_the_same_with_the_anchor_from_its_own_forward(policy, over):
     rb = _batch()
     alg = build_algorithm({"name": "grpo", "old_logp_source": "recompute", **over})
-    start = copy.deepcopy(policy.model.state_dict()), copy.deepcopy(policy.optimizer.state_dict())
     logp0 = policy.logprobs(rb.policy_batch())
-    sep, logp_sep = _update(policy, alg, rb, reuse=False)
-    policy.model.load_state_dict(start[0])
-    policy.optimizer.load_state_dict(start[1])
-    own, logp_own = _update(policy, alg, rb, reuse=True)
-    policy.model.load_state_dict(start[0])
-    policy.optimizer.load_state_dict(start[1])
+    with restored(policy):
+        sep, logp_sep = _update(policy, alg, rb, reuse=False)
+    with restored(policy):
+        own, logp_own = _update(policy, alg, rb, reuse=True)
 
     assert sep["grad_norm"] > 1e-3  # a real step: the comparison has teeth
     assert abs(own["grad_norm"] - sep["grad_norm"]) <= 1e-5 * sep["grad_norm"], (own, sep)

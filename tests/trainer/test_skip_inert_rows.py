@@ -6,15 +6,13 @@ zero gradient (KL or entropy terms, deferred renormalisation, batch statistics, 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from mcore_rl.algorithms import build_algorithm
 from mcore_rl.batch import RolloutBatch
 from mcore_rl.trainer.update import live_rows, run_update
-from tests.policy.conftest import loaded_policy
+from tests.policy.conftest import loaded_policy, restored
 
 pytestmark = pytest.mark.multiproc  # builds real Megatron modules (one gloo rank)
 
@@ -62,14 +60,11 @@ def _update(policy, alg, rb, skip: bool) -> tuple[dict, torch.Tensor]:
 def test_skipping_inert_rows_gives_the_same_update(policy, name, over):
     rb = _batch()
     alg = _algo(name, **over)
-    start = copy.deepcopy(policy.model.state_dict()), copy.deepcopy(policy.optimizer.state_dict())
     logp0 = policy.logprobs(rb.policy_batch())
-    full, logp_full = _update(policy, alg, rb, skip=False)
-    policy.model.load_state_dict(start[0])
-    policy.optimizer.load_state_dict(start[1])
-    skipped, logp_skip = _update(policy, alg, rb, skip=True)
-    policy.model.load_state_dict(start[0])
-    policy.optimizer.load_state_dict(start[1])
+    with restored(policy):
+        full, logp_full = _update(policy, alg, rb, skip=False)
+    with restored(policy):
+        skipped, logp_skip = _update(policy, alg, rb, skip=True)
 
     assert full["trained_rows_frac"] == 1.0
     assert skipped["trained_rows_frac"] == pytest.approx(8 / 24)  # groups 0 and 3 only
@@ -90,10 +85,8 @@ def test_an_update_of_only_inert_rows_still_runs_one_row(policy):
     adv = alg.advantages(rb.rewards, rb.group_ids, lengths=rb.response_len)
     w = alg.token_weights(rb.loss_mask, rb.group_ids, keep=adv.keep)
     assert live_rows(alg, adv.advantages, w).tolist() == [0]
-    start = copy.deepcopy(policy.model.state_dict()), copy.deepcopy(policy.optimizer.state_dict())
-    metrics = run_update(policy, alg, rb, adv.advantages, adv.keep, {}, 1.0, skip_inert_rows=True)
-    policy.model.load_state_dict(start[0])
-    policy.optimizer.load_state_dict(start[1])
+    with restored(policy):
+        metrics = run_update(policy, alg, rb, adv.advantages, adv.keep, {}, 1.0, skip_inert_rows=True)
     assert metrics["trained_rows_frac"] == pytest.approx(1 / 24)
     assert metrics["grad_norm"] == 0.0
 
