@@ -10,6 +10,7 @@ import torch
 
 from mcore_rl.algorithms import Algorithm
 from mcore_rl.batch import RolloutBatch, update_rows
+from mcore_rl.oldlogp.base import OldLogpSource
 from mcore_rl.trainer.rounds import PromptsLog
 from mcore_rl.trainer.update import NonFiniteGuard, run_update
 
@@ -114,7 +115,7 @@ class Learner:
         return metrics
 
 
-def reuses_old_logp(enabled: bool, source: Any, algorithm: Algorithm, updates_per_round: int, policy: Any) -> bool:
+def reuses_old_logp(enabled: bool, source: OldLogpSource, algorithm: Algorithm, updates_per_round: int, policy: Any) -> bool:
     """Whether the update's own forward may stand in for the old-log-prob pass (`trainer.reuse_old_logp`).
 
     Why it is the same anchor: the source scores the round with the live weights before its first update, and a
@@ -124,5 +125,5 @@ def reuses_old_logp(enabled: bool, source: Any, algorithm: Algorithm, updates_pe
     update per round (the second update's weights have moved); statistics over the whole batch before the first
     micro-batch (P3O's batch ESS reads old_logp there); a training forward that differs from the scoring one
     (LoRA dropout)."""
-    return (enabled and algorithm.needs_old_logp and getattr(source, "reusable", False) and updates_per_round == 1
+    return (enabled and algorithm.needs_old_logp and source.reusable and updates_per_round == 1
             and not algorithm.needs_step_logp and policy.cfg.lora.dropout == 0)
