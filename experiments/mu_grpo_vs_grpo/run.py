@@ -64,8 +64,9 @@ def report(exp_dir: Path = HERE) -> None:
              "held-out evaluation. Only finished runs (DONE marker) count.", "", *machine_lines(exp_dir, ARMS), "",
              "## Per arm", "", *arm_table(exp_dir, ARMS), "",
              "## Differences (same held-out prompts, resampled jointly)", "",
-             *difference_rows(exp_dir, [(by["mu_grpo"], by["grpo_mu4"]), (by["mu_grpo"], by["grpo_onpolicy"]),
-                                        (by["mu_grpo"], by["mu_grpo_clip02"]), (by["mu_grpo"], by["mu_grpo_noveto"])]),
+             *difference_rows(exp_dir, [(by["mu_grpo"], by[n]) for n in ("grpo_mu4", "grpo_onpolicy", "mu_grpo_clip02",
+                                                                          "mu_grpo_noveto", "mu_grpo_veto_H",
+                                                                          "mu_grpo_veto_seq")]),
              "", "## Time to the common target", ""]
     headline = [by[n] for n in HEADLINE]
     lines += ["The headline pair:", "", *time_to_target_rows(exp_dir, headline, [tuple(headline)])]
