@@ -105,16 +105,14 @@ def config_classes() -> list[type]:
     from mcore_rl.config import ROLLOUT_SCHEMAS, MainConfig
     from mcore_rl.data.registry import DATASETS
     from mcore_rl.envs.base import ENVS
-    from mcore_rl.rewards.format_reward import FormatConfig
-    from mcore_rl.rewards.verifier import MathVerifyConfig
+    from mcore_rl.rewards.registry import REWARDS, reward_config_class
 
     roots = [
         MainConfig,
         *ROLLOUT_SCHEMAS.values(),
         *(config_class(n) for n in registered_algorithms()),
         *(k.config for k in DATASETS.values()),
-        MathVerifyConfig,
-        FormatConfig,
+        *(c for c in map(reward_config_class, REWARDS.names()) if c is not None),
         *(ENVS.get(n).config_cls for n in ENVS.names()),
     ]
     out: list[type] = []

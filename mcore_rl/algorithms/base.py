@@ -3,6 +3,7 @@
 Life cycle of one optimizer step, as the trainer drives it:
     adv  = alg.advantages(rewards, group_ids, reduce, lengths)        # per rollout batch; drop ~adv.keep
     w    = alg.token_weights(mask, group_ids, reduce)                 # [N, T], whole local batch, once per step
+    alg.begin_update(old_logp, prox_logp, rollout_logp, mask, reduce)  # whole local batch, before the first loss
     for mb in micro_batches:                                          # any split, any DP layout
         loss, metrics = alg.loss(TokenBatch(..., token_weight=w[mb]), reduce); loss.backward()
     acc  = alg.finish_accumulation(reduce)                            # BEFORE optimizer.step()
@@ -213,6 +214,15 @@ class Algorithm:
     def begin_step(self, logp: Tensor, anchor: Tensor, mask: Tensor, reduce: Reducer = identity_reduce,
                    ) -> dict[str, float]:
         """Per-update statistics over the whole batch (all-reduced with `reduce`); returns metrics."""
+        return {}
+
+    def begin_update(self, old_logp: Tensor | None, prox_logp: Tensor | None, rollout_logp: Tensor, mask: Tensor,
+                     reduce: Reducer = identity_reduce) -> dict[str, float]:
+        """Statistics of the update's whole batch from the anchors alone (no forward), all-reduced with `reduce`,
+        before the first micro-batch loss; returns metrics. The trainer calls it for every algorithm, on the ranks
+        that compute the loss, with the anchors it has (old_logp is None where the loss takes it from its own
+        forward). Why before: a per-update setting derived from the whole batch (PPO-EWMA's calibrated Train-Infer
+        gate) then applies alike to every micro-batch and DP rank, so the loss stays split-invariant."""
         return {}
 
     def anchor_logp(self, batch: TokenBatch) -> Tensor:

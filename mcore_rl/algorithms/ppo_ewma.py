@@ -13,6 +13,18 @@ with the anchor pi_a picked by `old_logp_source` (two routes):
   and a token lags at most L steps (lag_steps), so |theta_bar - v| <= a + L steps; PPO's clip bounds one
   step's move by log(1 + eps_high) up, log(1 - eps_low) down. The gate is the TI bounds widened by (a + L)
   of those: it only drops what staleness cannot explain. Tight TI gating needs exact old logits.
+- The TI bounds (ti_bounds=auto, the default): the gate exists for tokens whose engine/trainer disagreement is
+  abnormal, not for the dtype's noise floor (bf16 against an engine with other kernels: geometric |log d| ~0.01,
+  heavy-tailed, far outside the paper's fixed [0.995, 1.005], which then drops most of the batch). Where d
+  compares engine and trainer at equal versions -- the exact route always; the ewma route when its gap a + L is
+  0 -- begin_update measures the update's q = ti_auto_quantile quantile of |log d| over every token of every DP
+  rank (a histogram, reduce.global_abs_quantiles) and widens the bounds to +-w, w = min(ti_auto_k * q-quantile,
+  ti_auto_max), never tighter than [ti_low, ti_high]. So the gate keeps at least a share q of the tokens unless
+  the cap holds, and drops the tail beyond k times the noise's own spread; abnormal tokens move the quantile only
+  when they are more than 1 - q of the batch (a whole-batch fault: the cap, and the warning). A quantile, not the
+  median: most tokens of a confident policy agree almost exactly, so the median says little about the spread of
+  the rest (measured: q90 / median up to 13). Elsewhere (ewma route, gap > 0) d mixes drift and TI: the fixed
+  bounds, widened. ti_bounds=fixed: always [ti_low, ti_high] (the paper's).
 - Reset (theta_bar <- theta, ewma route only): it sets a = 0 but replaces drift(theta_bar, v) by
   drift(theta, v), L steps: it helps the gate only when theta is closer to v than theta_bar is (measured: the
   keep-rate under theta, gate widened by L only, beats the step's), never under async with a < L. What a reset
@@ -32,6 +44,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,12 +60,13 @@ from mcore_rl.algorithms.correction import LEVELS, check_choice, level_log_ratio
 from mcore_rl.algorithms.ewma import ewma_step
 from mcore_rl.algorithms.grpo import ppo_clip_loss
 from mcore_rl.algorithms.ops import log_ratio, masked_mean
-from mcore_rl.algorithms.reduce import Reducer
+from mcore_rl.algorithms.reduce import Reducer, global_abs_quantiles, identity_reduce
 from mcore_rl.algorithms.registry import register_algorithm
 from mcore_rl.oldlogp.registry import is_exact
 
 log = logging.getLogger(__name__)
 OBJECTIVES = ("decoupled", "original")
+TI_BOUNDS = ("auto", "fixed")
 # exact route: a keep-rate under this after an update is reported once (the gate, not staleness, is eating the batch)
 LOW_KEEP_RATE = 0.5
 # exact route: the share of tokens with |log d| (at ti_level) within each of these, logged as ti_within_<t>: the
@@ -65,6 +79,14 @@ EWMA_DEFAULTS = {"ewma_beta": 0.75, "auto_reset": True, "reset_keep_rate": 0.5, 
 
 def _log(x: float) -> float:
     return math.log(x) if x > 0 else -math.inf
+
+
+class TiCalibration(NamedTuple):
+    """One update's engine/trainer disagreement measured at equal versions (begin_update), and the gate it sets."""
+
+    median: float            # median |log d| over the update's tokens, all DP ranks (per token at sequence level)
+    quantile: float          # its ti_auto_quantile quantile
+    w: float | None          # auto: the calibrated half-width min(ti_auto_k * quantile, ti_auto_max); fixed: None
 
 
 @dataclass
@@ -83,6 +105,14 @@ class PpoEwmaConfig(AlgorithmConfig):
     ti_level: str = "geometric"        # token | sequence | geometric
     ti_low: float = 0.995              # Train-Infer Mask keeps low <= d <= high (at the same version; the
     ti_high: float = 1.005             # ewma route widens it by the staleness the clip allows)
+    ti_bounds: str = "auto"            # auto: widened per update to +-min(ti_auto_k * quantile, ti_auto_max) where
+    #                                    d is measured at equal versions (never tighter than ti_low/ti_high) |
+    #                                    fixed: ti_low/ti_high always (the paper's)
+    ti_auto_quantile: float = 0.9      # auto: which quantile of the measured |log d| scales the half-width; the
+    #                                    gate keeps at least this share of the tokens unless the cap holds
+    ti_auto_k: float = 3.0             # auto: the half-width in those quantiles (>= 1)
+    ti_auto_max: float = 0.2           # auto: cap on the half-width; beyond it engine and trainer disagree beyond
+    #                                    rounding (a dtype or weight-sync fault), and the gate says so
     ti_tis_max: float | None = None    # optional: also multiply by min(d, ti_tis_max)
     imp_samp_max: float = 100.0        # objective=original: cap of pi_anchor / pi_behav
     # --- ewma route only (null = EWMA_DEFAULTS) ---
@@ -96,6 +126,14 @@ class PpoEwmaConfig(AlgorithmConfig):
         owner = f"algorithm {self.name!r}"
         check_choice(owner, "objective", self.objective, OBJECTIVES)
         check_choice(owner, "ti_level", self.ti_level, LEVELS)
+        check_choice(owner, "ti_bounds", self.ti_bounds, TI_BOUNDS)
+        if not 0 < self.ti_auto_quantile < 1:
+            raise ValueError(f"{owner}: ti_auto_quantile must be in (0, 1), got {self.ti_auto_quantile}")
+        if not 1 <= self.ti_auto_k < math.inf:
+            raise ValueError(f"{owner}: ti_auto_k must be finite and >= 1 (the gate then keeps the tokens within the "
+                             f"quantile), got {self.ti_auto_k}")
+        if not 0 < self.ti_auto_max < math.inf:
+            raise ValueError(f"{owner}: ti_auto_max must be finite and > 0, got {self.ti_auto_max}")
         if not is_exact(self.old_logp_source) and self.old_logp_source != "rollout":  # recompute, or any inexact one
             raise ValueError(f"{owner}: old_logp_source={self.old_logp_source} computes log-probs its loss never "
                              "reads (the EWMA route anchors on pi_prox and the engine's log-probs); use rollout "
@@ -153,13 +191,48 @@ class PPOEWMA(Algorithm):
     def needs_prox_logp(self) -> bool:
         return not self.config.exact
 
+    def reset_accumulation(self) -> None:
+        super().reset_accumulation()
+        self._calibration: TiCalibration | None = None  # set by begin_update, read until finish_accumulation
+
+    def gap_steps(self) -> float:
+        """Steps the gate's anchor may lie from the tokens' behaviour version: 0 on the exact route, a + L on the
+        ewma route (0 there only on policy with a fresh EWMA: then d too is measured at equal versions)."""
+        c = self.config
+        return 0.0 if c.exact else self.ewma_age + c.lag_steps
+
+    def begin_update(self, old_logp: Tensor | None, prox_logp: Tensor | None, rollout_logp: Tensor, mask: Tensor,
+                     reduce: Reducer = identity_reduce) -> dict[str, float]:
+        """This update's TI bounds, from its whole batch before the first micro-batch (the same gate for every
+        micro-batch and DP rank). Only where d = pi_anchor / pi_infer compares engine and trainer at equal
+        versions (gap 0) is its spread the noise floor the gate must tolerate; elsewhere nothing is measured and
+        the gate keeps the fixed bounds. Without this call (no anchor, or a caller that skips the hook) likewise.
+        ti_bounds=fixed measures too (the noise metrics are logged) but gates with [ti_low, ti_high]. At
+        ti_level=sequence log d is a sum over the response: measured per token (the geometric mean) and scaled
+        back by the row's length in the gate, as the staleness widening is."""
+        c = self.config
+        anchor = old_logp if c.exact else prox_logp
+        if anchor is None or self.gap_steps() > 0:
+            return {}
+        level = "geometric" if c.ti_level == "sequence" else c.ti_level
+        log_d = level_log_ratio(log_ratio(anchor, rollout_logp, mask), mask, level)
+        median, q = global_abs_quantiles(log_d, mask, (0.5, c.ti_auto_quantile), reduce)
+        w = min(c.ti_auto_k * q, c.ti_auto_max) if c.ti_bounds == "auto" else None
+        self._calibration = TiCalibration(median, q, w)
+        return {}
+
     def gate(self, token_log_ratio: Tensor, m: Tensor, gap_steps: float) -> Tensor:
-        """Train-Infer Mask at ti_level: the TI bounds widened by `gap_steps` steps of clip-bounded drift."""
+        """Train-Infer Mask at ti_level: the TI bounds, at least this update's calibrated half-width (if any), plus
+        `gap_steps` steps of clip-bounded drift. Per-token widths scale by the row's length at sequence level,
+        whose log d sums per-token terms."""
         c = self.config
         log_d = level_log_ratio(token_log_ratio, m, c.ti_level)
+        scale = m.sum(dim=1, keepdim=True) if c.ti_level == "sequence" else torch.ones_like(m[:, :1])
         lo, hi = _log(c.ti_low), _log(c.ti_high)
-        if gap_steps > 0:  # sequence level sums per-token drift: scale by the row's length
-            scale = m.sum(dim=1, keepdim=True) if c.ti_level == "sequence" else torch.ones_like(m[:, :1])
+        w = None if self._calibration is None else self._calibration.w
+        if w is not None:
+            lo, hi = (-w * scale).clamp(max=lo), (w * scale).clamp(min=hi)
+        if gap_steps > 0:
             lo = lo + gap_steps * _log(1.0 - c.eps_low) * scale
             hi = hi + gap_steps * math.log1p(c.eps_high) * scale
         return (log_d >= lo) & (log_d <= hi) & (m > 0)
@@ -176,7 +249,7 @@ class PPOEWMA(Algorithm):
             tok_d = log_ratio(anchor, infer, m)
             log_d = level_log_ratio(tok_d, m, c.ti_level)
             d = torch.exp(log_d)
-            ti_keep = self.gate(tok_d, m, 0.0 if c.exact else self.ewma_age + c.lag_steps)
+            ti_keep = self.gate(tok_d, m, self.gap_steps())
             if c.exact:  # the noise floor: what the gate would keep at other bounds
                 sums.update({f"ti_within_{t:g}": ((log_d.abs() <= t) & (m > 0)).sum() for t in NOISE_PROBES})
             else:  # what a reset would give: theta as the anchor, only the tokens' lag to tolerate
@@ -206,6 +279,11 @@ class PPOEWMA(Algorithm):
             out.update({f"ti_within_{t:g}": sums[f"ti_within_{t:g}"] / n if n else 1.0 for t in NOISE_PROBES})
         else:
             out["ti_keep_rate_theta"] = sums["ti_kept_theta"] / n if n else 1.0
+        cal = self._calibration
+        if cal is not None:  # measured at equal versions: the noise floor, and the half-width it set
+            out.update(ti_noise_median=cal.median, ti_noise_quantile=cal.quantile)
+            if cal.w is not None:
+                out["ti_bound"] = cal.w
         return out
 
     def state_dict(self) -> dict[str, float | int | None]:
@@ -231,9 +309,11 @@ class PPOEWMA(Algorithm):
 
     def _warn_low_keep(self, rate: float | None, metrics: dict[str, float]) -> None:
         """On the exact route d compares engine and trainer at the same weights, so a low keep-rate is their
-        numerical disagreement, not staleness: in bf16 (per-token |log d| ~0.03 on CPU) the default gate on
-        ~20-token answers keeps about a third of the sequences. Said once, with the keep-rate this update's tokens
-        would have had at wider bounds and the tightest of those that keeps SUGGEST_KEEP of them."""
+        numerical disagreement, not staleness. Said once. Fixed bounds: in bf16 (per-token |log d| ~0.03 on CPU)
+        the paper's gate on ~20-token answers keeps about a third of the sequences; the warning gives the keep-rate
+        this update's tokens would have had at wider bounds and the tightest of those that keeps SUGGEST_KEEP of
+        them. Auto bounds keep at least ti_auto_quantile of the tokens unless capped, so a low keep-rate there
+        means the cap held: engine and trainer disagree beyond rounding."""
         c = self.config
         if rate is None or rate >= LOW_KEEP_RATE or self._warned_low_keep:
             return
@@ -241,13 +321,22 @@ class PPOEWMA(Algorithm):
         within = {t: metrics[f"ti_within_{t:g}"] for t in NOISE_PROBES if f"ti_within_{t:g}" in metrics}
         floor = ", ".join(f"{t:g}: {v:.2f}" for t, v in within.items())
         fit = [t for t, v in within.items() if v >= SUGGEST_KEEP]
-        advice = (f"algorithm.ti_low={math.exp(-fit[0]):.4g} algorithm.ti_high={math.exp(fit[0]):.4g} would have kept "
-                  f"{within[fit[0]]:.2f}" if fit else f"no bound up to |log d| {NOISE_PROBES[-1]:g} keeps "
-                  f"{SUGGEST_KEEP:g} of them: engine and trainer disagree beyond rounding (check model.dtype and "
-                  "the weight sync)")
+        beyond = "engine and trainer disagree beyond rounding (check model.dtype and the weight sync)"
+        if "ti_bound" in metrics:
+            gate = (f"auto gate |log d| <= {metrics['ti_bound']:.3g}: ti_auto_k={c.ti_auto_k:g} x the "
+                    f"{c.ti_auto_quantile:g} quantile {metrics['ti_noise_quantile']:.3g}, at most "
+                    f"ti_auto_max={c.ti_auto_max:g}")
+            advice = (f"the cap held: {beyond}; raise algorithm.ti_auto_max only where a disagreement this large is "
+                      "expected" if metrics["ti_bound"] >= c.ti_auto_max else "a quantile under 0.5 keeps this "
+                      "little by design (raise algorithm.ti_auto_quantile)")
+        else:
+            gate = f"gate [{c.ti_low:g}, {c.ti_high:g}]"
+            advice = (f"algorithm.ti_low={math.exp(-fit[0]):.4g} algorithm.ti_high={math.exp(fit[0]):.4g} would have "
+                      f"kept {within[fit[0]]:.2f} (algorithm.ti_bounds=auto calibrates the bounds per update)" if fit
+                      else f"no bound up to |log d| {NOISE_PROBES[-1]:g} keeps {SUGGEST_KEEP:g} of them: {beyond}")
         log.warning(
             "ppo_ewma: the Train-Infer Mask kept %.2f of the tokens this update (exact old logits: engine vs "
-            "trainer at the same weights, gate [%g, %g] at ti_level=%s); the rest train nothing. Share of tokens "
+            "trainer at the same weights, %s at ti_level=%s); the rest train nothing. Share of tokens "
             "with |log d| within {%s}; %s (docs/algorithms.md)",
-            rate, c.ti_low, c.ti_high, c.ti_level, floor, advice,
+            rate, gate, c.ti_level, floor, advice,
         )  # fmt: skip

@@ -55,28 +55,32 @@ class MainConfig:
     data: Any = None        # validated by data/registry.py against the kind's dataclass
     reward: Any = None      # validated by rewards/registry.py against each part's dataclass
     env: Any = None         # env=NAME: episodes instead of single replies; validated by envs.build_environment
+    # modules imported before the config is typed, so that their registrations (algorithms, environments, rewards,
+    # data kinds, model families) are valid names; MCORE_RL_PLUGINS adds to them (mcore_rl/plugins.py)
+    plugins: list[str] = field(default_factory=list)
 
 
-_registered = False
+_stored: set[str] = set()  # what register_configs has put in the ConfigStore
 
 
 def register_configs() -> None:
-    """Store every schema in Hydra's ConfigStore (idempotent). Call before composing hydra_conf/ (train.py does;
-    code that composes with hydra.compose imports mcore_rl.config first)."""
-    global _registered
-    if _registered:
-        return
+    """Store every schema in Hydra's ConfigStore. Call before composing hydra_conf/ (train.py does; code that
+    composes with hydra.compose imports mcore_rl.config first). Calling it again stores only what is new: the
+    schemas of algorithms that plugins registered since (train.py imports the plugins, then calls it)."""
     from hydra.core.config_store import ConfigStore
 
     from mcore_rl.algorithms import config_class, registered_algorithms
 
     cs = ConfigStore.instance()
-    cs.store(name=ROOT_SCHEMA, node=MainConfig)
-    for engine, schema in ROLLOUT_SCHEMAS.items():
-        cs.store(group="schema/rollout", name=engine, node=schema)
+    if ROOT_SCHEMA not in _stored:
+        cs.store(name=ROOT_SCHEMA, node=MainConfig)
+        for engine, schema in ROLLOUT_SCHEMAS.items():
+            cs.store(group="schema/rollout", name=engine, node=schema)
+        _stored.add(ROOT_SCHEMA)
     for name in registered_algorithms():
-        cs.store(group="schema/algorithm", name=name, node=config_class(name))
-    _registered = True
+        if f"algorithm/{name}" not in _stored and ":" not in name:  # a module:attr name has no yaml to name it
+            cs.store(group="schema/algorithm", name=name, node=config_class(name))
+            _stored.add(f"algorithm/{name}")
 
 
 register_configs()
@@ -122,6 +126,51 @@ def _refuse_undeclared(node: DictConfig, where: str) -> None:
             _refuse_undeclared(child, name)
 
 
+def _load_plugins(cfg: DictConfig) -> DictConfig:
+    """Import the config's `plugins` and MCORE_RL_PLUGINS' modules before anything is typed, so their names are
+    valid choices (a list in a yaml is only seen here; one on the command line was imported by train.py already).
+    The returned config lists both, so run.dir/config.yaml records every plugin the run used (mcore-rl-eval
+    RUN_DIR loads them from there)."""
+    from mcore_rl import plugins
+
+    listed = [str(m) for m in OmegaConf.select(cfg, "plugins", default=None) or []]
+    every = plugins.parse([*listed, *plugins.from_env()])
+    try:
+        plugins.load(every, export=False)  # the CLI exports the typed list to its child processes (train.py)
+    except plugins.PluginError as e:
+        raise ConfigError(str(e)) from None
+    register_configs()  # a plugin algorithm's schema, for the configs composed after this one (multirun jobs)
+    if every == listed:
+        return cfg
+    cfg = cfg.copy()
+    cfg.plugins = every
+    return cfg
+
+
+def _typed_algorithm(cfg: DictConfig) -> DictConfig:
+    """Type the algorithm node by its registered config class when its yaml named no schema (a plugin's yaml
+    whose plugin is listed in a yaml: its schema was not in the ConfigStore when Hydra composed) or a base of it
+    (`algorithm=grpo algorithm.name=my_pkg.algos:MyGRPO`)."""
+    name = OmegaConf.select(cfg, "algorithm.name", default=None)
+    if not isinstance(name, str) or not name:
+        return cfg
+    from mcore_rl.algorithms import config_class
+
+    try:
+        schema = config_class(name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+    except AttributeError:  # a module:attr name that is not an Algorithm class
+        raise ConfigError(f"algorithm.name={name!r}: not an Algorithm subclass (no config_cls)") from None
+    current = OmegaConf.get_type(cfg.algorithm)
+    if current is schema or not (current in (None, dict) or issubclass(schema, current)):
+        return cfg
+    data = OmegaConf.to_container(cfg.algorithm, resolve=False)
+    cfg = cfg.copy()
+    cfg.algorithm = _typed(lambda: OmegaConf.merge(OmegaConf.structured(schema), data), "algorithm")
+    return cfg
+
+
 def load_config(cfg: DictConfig) -> MainConfig:
     """The composed Hydra config as typed objects, converted once: every group's `__post_init__` check and the
     algorithm's ran, `algorithm.max_response_len: null` is the rollout's own cap (trainer.max_new_tokens).
@@ -130,6 +179,7 @@ def load_config(cfg: DictConfig) -> MainConfig:
     stray = sorted(set(cfg.keys()) - known - {"hydra"})
     if stray:
         raise ConfigError(f"unknown top-level key(s) {stray}; known: {sorted(known)}")
+    cfg = _typed_algorithm(_load_plugins(cfg))
     rollout_schema(cfg)
     _refuse_undeclared(cfg, "")
     if OmegaConf.select(cfg, "algorithm.max_response_len", default=0) is None:  # the schema checks it on creation

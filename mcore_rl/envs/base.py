@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from mcore_rl.data.records import PromptRecord
 from mcore_rl.registry import Registry
+from mcore_rl.rewards.base import RewardResult, record_dict, score_with_records
 
 Message = dict[str, Any]
 SPLITS: tuple[str, ...] = ("train", "heldout")
@@ -179,6 +180,14 @@ class Environment:
 
     def close(self) -> None:
         pass
+
+
+def score_reply(reward: Any, episode: Episode, reply: str) -> RewardResult:
+    """Score one reply with a reward from `mcore_rl.rewards.build_reward` (a reward function, a remote service or a
+    built-in), so an environment's `respond` can use the same rewards as single-turn training: the episode's record
+    goes along as a plain dict (prompt_id, prompt, answer, metadata). The environment builds the reward once (e.g.
+    in `__init__` from a `reward` section of its own config dataclass) and closes it in `close` (docs/rewards.md)."""
+    return score_with_records(reward, [reply], [episode.record.answer], [record_dict(episode.record)])[0]
 
 
 ENVS: Registry[type[Environment]] = Registry(

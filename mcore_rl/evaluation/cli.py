@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--env", dest="envs", action="append", default=None, metavar="NAME[:key=value,...]",
                    help="an environment's held-out episodes, repeatable: NAME (hydra_conf/env/NAME.yaml) or FILE.yaml, "
                         "optionally :key=value,... overriding its keys (e.g. calculator:max_turns=2)")
+    p.add_argument("--plugin", dest="plugins", action="append", default=None, metavar="MODULE",
+                   help="import this module first (its registered environments, data kinds, rewards), repeatable; "
+                        "MCORE_RL_PLUGINS and a run directory's own plugins (its config.yaml) are imported too")
     p.add_argument("--num-prompts", type=int, default=32, help="first N prompts of each set; 0 = all (default 32)")
     p.add_argument("-n", "--samples", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--k", type=int, action="append", default=None,
@@ -127,6 +130,24 @@ def _build_engine(name: str, kwargs: dict, model_dir: Path, seed: int, bf16_matm
         raise ValueError(f"--engine {name}: {str(e).strip(chr(34) + chr(39))}") from None
 
 
+def load_plugins(model: str, listed: list[str] | None) -> list[str]:
+    """Import --plugin's modules, MCORE_RL_PLUGINS' and, when `model` is a run directory (or its `hf/` export or
+    one of its checkpoints), the plugins its run loaded (config.yaml `plugins`), before any set or environment name
+    is resolved. A plugin that fails to import is a ValueError: one line, exit 2."""
+    import yaml
+
+    from mcore_rl import plugins
+
+    modules = list(listed or [])
+    path = Path(model)
+    for run_dir in (path, path.parent, path.parent.parent):
+        marks = (run_dir / "metrics.jsonl").is_file() or (run_dir / "checkpoints").is_dir()
+        if marks and (run_dir / "config.yaml").is_file():
+            modules += plugins.parse((yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("plugins"))
+            break
+    return plugins.load([*plugins.from_env(), *modules])
+
+
 def format_table(rows: list[tuple[str, dict[str, float]]], ks: list[int], n: int) -> str:
     head = ["set", "prompts", f"mean@{n}", *[f"pass@{k}" for k in ks], "len", "trunc"]
     body = [[spec, f"{int(s['num_prompts'])}", f"{s['mean_at_n']:.3f}", *[f"{s[f'pass_at_{k}']:.3f}" for k in ks],
@@ -151,6 +172,7 @@ def run(a: argparse.Namespace) -> int:
     ks = sorted(set(a.k)) if a.k else default_ks(n)
     if any(not 1 <= k <= n for k in ks):
         raise ValueError(f"--k must satisfy 1 <= k <= n={n}; got {ks}")
+    load_plugins(a.model, a.plugins)
     specs = a.sets or ([] if a.envs else ["arithmetic"])
     sets = [(spec, load_set(spec, a.num_prompts)) for spec in specs]  # bad specs fail before the model loads
     envs = []

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from mcore_rl.data import PromptRecord
+from mcore_rl.rewards.base import record_dict, score_with_records
 from mcore_rl.rewards.extract import extract_answer
 
 
@@ -29,7 +30,9 @@ class RewardScorer:
         self.reward = reward
 
     def correct(self, responses: list[str], records: list[PromptRecord]) -> list[bool]:
-        return [bool(r.correct) for r in self.reward.score(responses, [rec.answer for rec in records])]
+        results = score_with_records(self.reward, responses, [rec.answer for rec in records],
+                                     [record_dict(rec) for rec in records])
+        return [bool(r.correct) for r in results]
 
     def close(self) -> None:
         pass

@@ -53,6 +53,6 @@ class FormatReward:
         pass
 
 
-@register_reward("format")
+@register_reward("format", FormatConfig)
 def build_format(options: dict[str, Any]) -> FormatReward:
     return FormatReward(config_from_dict(FormatConfig, options, "reward.format"))

@@ -85,7 +85,8 @@ class VerifierPool:
 
     `target(conn, options)` is the worker loop (default: math-verify's `worker_main`); any function that
     speaks the same small protocol (send ("ready", pid), then answer (key, *case) with ("result", key, r))
-    can reuse the pool, e.g. a sandboxed code-execution reward.
+    can reuse the pool, e.g. a sandboxed code-execution reward. `log_level`: of the per-worker kill and death
+    lines (a caller that logs one summary per batch itself passes DEBUG).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class VerifierPool:
         max_tasks_per_worker: int = 0,
         options: Any = None,
         target: Callable[[Connection, Any], None] = worker_main,
+        log_level: int = logging.WARNING,
     ):
         if num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {num_workers}")
@@ -110,6 +112,7 @@ class VerifierPool:
         self.max_tasks_per_worker = max_tasks_per_worker
         self.options = options or WorkerOptions(cpu_limit_s=int(timeout_s) + 5)
         self._target = target
+        self._log_level = log_level
         self._ctx = mp.get_context(mp_context)
         if mp_context == "forkserver" and target is worker_main:
             # Process-wide setting, read when the forkserver first starts: workers fork warm (see warmup.py).
@@ -215,8 +218,8 @@ class VerifierPool:
             if w.case is not None and now >= w.started + self.timeout_s:
                 out[w.case] = ((0.0, False, "timeout", None), now - w.started)
                 done += 1
-                logger.warning("reward worker pid=%s passed %.2fs on case %d: killed and replaced",
-                               w.proc.pid, self.timeout_s, w.case)
+                logger.log(self._log_level, "reward worker pid=%s passed %.2fs on case %d: killed and replaced",
+                           w.proc.pid, self.timeout_s, w.case)
                 self._replace(w, kill=True)
             elif not w.ready and now >= w.born + self.startup_timeout_s:
                 self._startup_failed(w, f"not ready after {self.startup_timeout_s:.0f}s")
@@ -231,7 +234,8 @@ class VerifierPool:
         if w.case is not None:
             out[w.case] = ((0.0, False, "worker_crash", None), now - w.started)
             done = 1
-        logger.warning("reward worker pid=%s died (exit code %s); replaced", w.proc.pid, w.proc.exitcode)
+        logger.log(self._log_level, "reward worker pid=%s died (exit code %s); replaced", w.proc.pid,
+                   w.proc.exitcode)
         self._replace(w, kill=True)
         return done
 
@@ -241,7 +245,8 @@ class VerifierPool:
             self.close()
             raise RuntimeError(
                 f"reward worker {why} 3 times in a row; check that the main script has an "
-                "`if __name__ == '__main__':` guard (spawn re-imports it) and that math-verify imports"
+                "`if __name__ == '__main__':` guard (spawn re-imports it) and that the worker's imports work "
+                "(math-verify, a reward function's module: its traceback is on stderr)"
             )
         logger.warning("reward worker pid=%s %s; retrying", w.proc.pid, why)
         self._replace(w, kill=True)

@@ -87,6 +87,6 @@ class MathVerifyReward:
         self.pool.close()
 
 
-@register_reward("math_verify")
+@register_reward("math_verify", MathVerifyConfig)
 def build_math_verify(options: dict[str, Any]) -> MathVerifyReward:
     return MathVerifyReward(config_from_dict(MathVerifyConfig, options, "reward.math_verify"))

@@ -99,6 +99,10 @@ def _preflight(cfg: MainConfig) -> bool:
     # rollout=sglang launching servers here without SGLang installed: only the launching rank (global 0) checks
     if os.environ.get("RANK", "0") == "0" and (msg := missing_server(dataclasses.asdict(cfg.rollout))):
         raise ConfigError(msg)
+    if cfg.env is None:  # reward keys, reward.function's import, reward.remote's key file: before any model
+        from mcore_rl.rewards import check_reward
+
+        check_reward(cfg.reward)
     deterministic = resolve_deterministic(cfg.trainer.deterministic, cfg.rollout.engine)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -159,16 +163,19 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
     dtype = resolve_dtype(cfg.model.dtype)  # auto -> measured once; every part below gets the resolved value
     configure_bf16_matmul(cfg.model.bf16_matmul, {dtype, engine_dtype(getattr(cfg.rollout, "dtype", None), dtype)})
     p = _Parts(*load_policies(cfg, model_dir, dtype, algorithm), engine=None, reward_fn=None, data=data, compute=None)
+    _log_start(cfg, p.policy, lay.rank)
     if cfg.env is not None and lay.rank != 0:
         from mcore_rl.trainer.episodes import build_env
 
         build_env(dict(cfg.env))  # every rank refuses a bad env key, not only the one that runs episodes
     if lay.rank == 0:
         from mcore_rl.evaluation.compute import ComputeMeter, model_flops
-        from mcore_rl.rewards import build_reward
+        from mcore_rl.rewards import build_reward, describe
 
         p.engine = make_engine(cfg.rollout, sched_cls, model_dir, dtype, deterministic, cfg.seed)
         p.reward_fn = build_reward(cfg.reward) if cfg.env is None else None  # env=NAME: the env rewards
+        if p.reward_fn is not None:
+            log.warning("reward: %s", describe(p.reward_fn))  # parts, weights, limits, function path, url host
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         p.compute = ComputeMeter(model_flops(model_dir), world, torch.cuda.is_available())
     record = config_record(cfg, dtype)
@@ -196,6 +203,40 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
 
         (lay.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(record)))
     return c, state
+
+
+def _log_start(cfg: MainConfig, policy: Policy, rank: int) -> None:
+    """The start-up lines a user checks first, at the default log level on rank 0 only: how many parameters train
+    (every weight, or LoRA's adapters), and the run's plugins with what each registered."""
+    from mcore_rl import plugins
+
+    trainable, total = _parameter_counts(policy.model)
+    if rank != 0:
+        return
+    lora = f", LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.enabled else ""
+    log.warning(f"parameters: {trainable:,} of {total:,} train ({100.0 * trainable / max(total, 1):.2f}%{lora})")
+    if line := plugins.summary(cfg.plugins):
+        log.warning(line)
+
+
+def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model, summed over ranks (a collective: every rank calls it).
+    Each tensor-parallel shard counts once, a replicated tensor on tensor-parallel rank 0 only, the last pipeline
+    stage's copy of tied embeddings not at all, and one data-parallel replica (an expert: one per expert-parallel
+    shard)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    from mcore_rl.distributed import all_reduce
+
+    dp0, edp0 = ps.get_data_parallel_rank() == 0, ps.get_expert_data_parallel_rank() == 0
+    counts = torch.zeros(2, dtype=torch.int64)
+    for param in model.parameters():
+        replica0 = edp0 if not getattr(param, "allreduce", True) else dp0  # experts: allreduce=False
+        if replica0 and not getattr(param, "shared", False) and param_is_not_tensor_parallel_duplicate(param):
+            counts += torch.tensor([param.numel() if param.requires_grad else 0, param.numel()])
+    trainable, total = all_reduce(counts, "sum").tolist()
+    return int(trainable), int(total)
 
 
 def _oldlogp_source(

@@ -18,7 +18,7 @@ from mcore_rl.agreement import FatalRunError
 from mcore_rl.batch import RolloutBatch, build_rollout_batch
 from mcore_rl.distributed import broadcast_object
 from mcore_rl.envs.batch import summary_metrics
-from mcore_rl.rewards.base import failure_counts
+from mcore_rl.rewards.base import record_dict, score_with_records, step_metrics, uses_text
 from mcore_rl.trainer.schedule import Generated, Schedule
 from mcore_rl.trainer.state import RunState
 
@@ -56,6 +56,7 @@ class Rounds:
         self.scoring_passes = scoring_passes  # trainer forwards per sample besides the update (compute meter)
         self.episodes = episodes  # samples are environment episodes: rewards and episode metrics come with them
         self.mask_stale = mask_stale  # partial rollouts: tokens of an earlier version leave the loss
+        self._by_id: dict | None = None  # prompt id -> its PromptRecord (the records rewards receive)
 
     def next(self, num_updates: int, state: RunState) -> Round | None:
         """The next round on every rank; None when a stop signal (Slurm preemption) arrived during generation:
@@ -109,12 +110,28 @@ class Rounds:
             self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in gen.samples],
                                    self.scoring_passes)  # fmt: skip
             return rewards, correct, {}
-        results = self.reward_fn.score([s.text or "" for s in gen.samples],
-                                       [p.answer for p in gen.prompts for _ in range(G)])
+        prompts = [p for p in gen.prompts for _ in range(G)]
+        records = self._records(prompts, gen.samples)
+        results = score_with_records(self.reward_fn, [s.text or "" for s in gen.samples],
+                                     [p.answer for p in prompts], records)
         rewards, correct = [r.score for r in results], [bool(r.correct) for r in results]
-        self.data.observe([p.prompt_id for p in gen.prompts for _ in range(G)], rewards)
+        self.data.observe([p.prompt_id for p in prompts], rewards)
         self.compute.add_round([(len(s.prompt_ids), len(s.output_ids)) for s in gen.samples], self.scoring_passes)
-        return rewards, correct, failure_counts(results)
+        return rewards, correct, step_metrics(self.reward_fn, results)
+
+    def _records(self, prompts: list, samples: list) -> list[dict]:
+        """Each sample's prompt record as a plain dict (what a reward function or service gets). A reward that
+        `uses_text` also gets `prompt_text` (the templated prompt) and `query` (prompt and response tokens decoded
+        with special tokens kept: OpenRLHF's query)."""
+        if self._by_id is None:
+            self._by_id = {r.prompt_id: r for r in getattr(self.data, "train", None) or []}
+        base = {p.prompt_id: record_dict(self._by_id.get(p.prompt_id, p)) for p in prompts}
+        if not uses_text(self.reward_fn):
+            return [base[p.prompt_id] for p in prompts]
+        tok = self.data.tokenizer
+        return [{**base[p.prompt_id], "prompt_text": tok.decode(s.prompt_ids, skip_special_tokens=False),
+                 "query": tok.decode([*s.prompt_ids, *s.output_ids], skip_special_tokens=False)}
+                for p, s in zip(prompts, samples)]
 
     def _produce(self, num_updates: int) -> dict | None:
         gen = self.schedule.next_round(num_updates)

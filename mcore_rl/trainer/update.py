@@ -187,11 +187,15 @@ def run_update(policy, alg: Algorithm, rb: RolloutBatch, advantages: torch.Tenso
         batch = batch.select(live)
         batch.index = None  # a row subset of the update, not a micro-batch of it
     step_metrics = {}
+    if policy.is_last_stage():  # whole-batch statistics of the anchors, no forward (PPO-EWMA's TI bounds); the
+        # other PP stages hold zeros for them and compute no loss, and the DP group lies within one stage
+        step_metrics = dict(alg.begin_update(anchors.get("old_logp"), anchors.get("prox_logp"), rb.rollout_logp,
+                                             rb.loss_mask, reduce))
     if alg.needs_step_logp:  # e.g. P3O ess_scope=batch: whole-batch statistics before the first micro-batch
         logp = policy.logprobs(rb.policy_batch(), temperature)  # None off the last PP stage (it has no loss)
         if logp is not None:
             anchor = anchors["old_logp"] if alg.needs_old_logp else rb.rollout_logp
-            step_metrics = alg.begin_step(logp, anchor, rb.loss_mask, reduce)
+            step_metrics.update(alg.begin_step(logp, anchor, rb.loss_mask, reduce))
     policy.zero_grad()
     outs = policy.forward_backward(batch, _loss_fn(alg, reduce, nan_at(update_index), old_logp_from_forward),
                                    temperature, with_entropy=True)

@@ -237,6 +237,10 @@ OTHER_PATHS = {
     "grpo/mis": ("grpo", ["algorithm.correction.mode=mis", "algorithm.correction.low=0.3",
                           "algorithm.correction.high=3.0"]),
     "ppo_ewma/decoupled": ("ppo_ewma", ["algorithm.objective=decoupled", "algorithm.ti_tis_max=1.5"]),
+    "ppo_ewma/exact": ("ppo_ewma", ["algorithm.old_logp_source=snapshot", "algorithm.ti_bounds=auto",
+                                    "algorithm.ti_auto_quantile=0.8", "algorithm.ti_auto_k=4.0",
+                                    "algorithm.ti_auto_max=0.3"]),
+    "ppo_ewma/exact_fixed": ("ppo_ewma", ["algorithm.old_logp_source=snapshot", "algorithm.ti_bounds=fixed"]),
 }
 CASES = {**{n: (n, o) for n, o in ALGORITHM_OVERRIDES.items()}, **OTHER_PATHS}
 
@@ -271,6 +275,7 @@ def _one_update(alg) -> torch.Tensor:
     adv = alg.advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), gid, lengths=mask.sum(1))
     logp = (-torch.rand(4, 5, generator=g)).requires_grad_()
     near = logp.detach() + 0.05 * torch.randn(4, 5, generator=g)
+    alg.begin_update(near if alg.needs_old_logp else None, near if alg.needs_prox_logp else None, near, mask)
     alg.begin_step(logp.detach(), near, mask)
     tb = TokenBatch(logp=logp, mask=mask, advantages=adv.advantages[:, None] * mask, rollout_logp=near,
                     token_weight=alg.token_weights(mask, gid, keep=adv.keep),

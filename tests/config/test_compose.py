@@ -11,14 +11,11 @@ from omegaconf import OmegaConf
 from mcore_rl.algorithms import config_class
 from mcore_rl.config import ConfigError, validate
 from mcore_rl.data.registry import DATASETS, SAMPLER_KEYS
-from mcore_rl.rewards.format_reward import FormatConfig
-from mcore_rl.rewards.verifier import MathVerifyConfig
+from mcore_rl.rewards.registry import part_kind, reward_config_class
 from mcore_rl.utils import config_from_dict
 from tests.config.keyscan import CONF, compose, group_options, option_overrides
 from tests.conftest import run_train_batch
 
-# the dataclass each reward part's options are built into (rewards/registry.py)
-REWARD_CONFIGS = {"math_verify": MathVerifyConfig, "format": FormatConfig}
 SAMPLER_FIELDS = {"seed", "shuffle"}  # data/sampler.py build_sampler
 
 
@@ -37,7 +34,7 @@ def check_reward_keys(reward: dict) -> None:
     names = reward["name"].split("+")
     assert set(reward) <= {"name", "weights", "max_crash_rate", *names}, reward.keys()
     for n in names:
-        config_from_dict(REWARD_CONFIGS[n], reward.get(n) or {}, f"reward.{n}")
+        config_from_dict(reward_config_class(part_kind(n)), reward.get(n) or {}, f"reward.{n}")  # its dataclass
 
 
 @pytest.mark.parametrize("base", [[], ["model=tiny"]], ids=["defaults", "tiny"])

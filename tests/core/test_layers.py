@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2] / "mcore_rl"
 # bottom to top; keep in step with the diagram in docs/architecture.md
 LAYERS: list[tuple[str, ...]] = [
     # no mcore_rl imports at all
-    ("faults",),
+    ("faults", "plugins"),
     ("utils", "fsio", "registry", "api_key", "compat", "dtypes"),
     ("distributed",),
     ("agreement", "config"),
