@@ -7,6 +7,9 @@ A_i = R_i - mean_G(R), then divided by a spread chosen by `std_norm`:
   the raw rewards (`batch_std_source`), computed over the sequences that survive zero-variance filtering.
 A group of size one gets mean 0 and std 1 (verl), i.e. A = R, unless it is filtered.
 
+`leave_one_out_advantages` (RLOO) takes the mean over the group's *other* responses as the baseline instead; a group
+of size one has none and is refused (`refuse_singleton_groups`), as is REINFORCE++-baseline's.
+
 Zero-variance filtering: a group whose rewards are all equal (size-one groups included) carries no
 group-relative signal; with `filter_zero_variance` its sequences get keep=False and A=0. The trainer drops them
 from the loss batch (or zeroes their mask) before computing aggregation weights, so they change no denominator.
@@ -103,10 +106,15 @@ def compute_advantages(rewards: Tensor, group_ids: Tensor, *, std_norm: str = "g
     keep = ~st.zero_var if filter_zero_variance else torch.ones_like(st.zero_var)
     centred = r - st.mean
     adv = _NORMS[std_norm](centred, r, st, keep, eps, unbiased, batch_std_source, reduce)
+    return advantage_result(r, adv, keep, st)
+
+
+def advantage_result(rewards: Tensor, adv: Tensor, keep: Tensor, st: _GroupStats) -> AdvantageResult:
+    """The result every estimator returns: A zeroed where filtered, and the metrics the run log shows per update."""
     adv = torch.where(keep, adv, torch.zeros_like(adv))
-    n = max(r.numel(), 1)
+    n = max(rewards.numel(), 1)
     metrics = {
-        "reward_mean": float(r.sum()) / n,
+        "reward_mean": float(rewards.sum()) / n,
         "adv_mean": float(adv.sum()) / n,
         "adv_abs_mean": float(adv.abs().sum()) / n,
         "zero_variance_group_frac": st.num_zero_var / max(st.num_groups, 1),
@@ -126,3 +134,40 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: flo
     start = max_len - buffer_len
     pen = -(lengths.to(torch.float64) - start) / buffer_len * factor
     return pen.clamp(min=-factor, max=0.0)
+
+
+def refuse_singleton_groups(group_ids: Tensor, owner: str) -> None:
+    """A baseline built from a prompt's other responses does not exist for a group of one: refuse it in one line
+    (a config error: the group size is trainer.samples_per_prompt) rather than train on A = R or A = 0."""
+    # imported here: importing mcore_rl.config loads every group's schema, which the losses do not otherwise need
+    from mcore_rl.config.checks import ConfigError
+
+    if group_ids.numel() and int(torch.unique(group_ids, return_counts=True)[1].min()) < 2:
+        raise ConfigError(f"{owner}: a prompt group of one response has no baseline from the other responses; "
+                          "set trainer.samples_per_prompt >= 2")
+
+
+def leave_one_out_advantages(rewards: Tensor, group_ids: Tensor, *, std_norm: str = "none", eps: float = 1e-6,
+                             unbiased: bool = True, filter_zero_variance: bool = False,
+                             reduce: Reducer = identity_reduce, owner: str = "rloo") -> AdvantageResult:
+    """RLOO: A_i = R_i - mean_{j != i in G} R_j = G/(G-1) (R_i - mean_G R), every group of size G >= 2.
+
+    The baseline leaves the response itself out, so it is independent of that response and the estimator is
+    unbiased (Kool et al. 2019; Ahmadian et al. 2024). `std_norm="batch"` divides by one std of the advantages over
+    the global batch (TRL's `normalize_advantages`; each group's advantages sum to 0, so their batch mean is 0 and
+    TRL's centring changes nothing); "none" keeps the reward scale.
+    """
+    if std_norm not in ("none", "batch"):
+        raise ValueError(f"{owner}: adv_std_norm={std_norm!r} is not one of ['none', 'batch']")
+    if rewards.dim() != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(f"rewards and group_ids must both be [N]; got {tuple(rewards.shape)}, {tuple(group_ids.shape)}")
+    refuse_singleton_groups(group_ids, f"algorithm {owner!r}")
+    r = rewards.detach().to(torch.float64)
+    st = group_stats(r, group_ids, unbiased)
+    inv, g = group_inverse(group_ids)
+    count = torch.zeros(g, dtype=torch.float64, device=r.device).index_add_(0, inv, torch.ones_like(r))[inv]
+    adv = count / (count - 1) * (r - st.mean)
+    keep = ~st.zero_var if filter_zero_variance else torch.ones_like(st.zero_var)
+    if std_norm == "batch":
+        adv = _norm_batch(adv, r, st, keep, eps, unbiased, "advantages", reduce)
+    return advantage_result(r, adv, keep, st)

@@ -23,6 +23,8 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm.name", {
     "grpo": f"{_PKG}.grpo", "dapo": f"{_PKG}.grpo", "dr_grpo": f"{_PKG}.grpo",
     "cispo": f"{_PKG}.cispo", "scalerl": f"{_PKG}.cispo",
     "p3o": f"{_PKG}.p3o", "mu_grpo": f"{_PKG}.mu_grpo", "ppo_ewma": f"{_PKG}.ppo_ewma",
+    "rloo": f"{_PKG}.rloo", "reinforce_pp": f"{_PKG}.reinforce_pp",
+    "gspo": f"{_PKG}.gspo",
 })  # fmt: skip
 A = TypeVar("A", bound=type[Algorithm])
 

@@ -229,6 +229,8 @@ ALGORITHM_OVERRIDES = {
                  "algorithm.ti_low=0.9", "algorithm.ti_high=1.1", "algorithm.ti_tis_max=2.0",
                  "algorithm.imp_samp_max=50.0", "algorithm.auto_reset=false", "algorithm.reset_keep_rate=0.3",
                  "algorithm.reset_clip_frac=0.6"],
+    "rloo": ["algorithm.ratio_level=token"],
+    "reinforce_pp": ["algorithm.baseline=group", "algorithm.reward_kl_coef=0.05", "algorithm.reward_kl_estimator=k3"],
 }
 
 

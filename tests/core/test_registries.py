@@ -54,9 +54,12 @@ def test_names_without_import_and_lazy_get():
         "dapo",
         "dr_grpo",
         "grpo",
+        "gspo",
         "mu_grpo",
         "p3o",
         "ppo_ewma",
+        "reinforce_pp",
+        "rloo",
         "scalerl",
     ]
     assert out["SOURCES"]["names"] == ["interrupt", "old_logit_model", "recompute", "rollout", "snapshot"]

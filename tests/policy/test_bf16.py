@@ -111,7 +111,10 @@ def test_bf16_through_fp32_gemms_meets_the_same_bound(logprobs_by_dtype):
     print(f"\nbf16 via fp32 GEMMs vs fp32: mean {err.mean():.4f} max {err.max():.4f}; torch's bf16 kernels: mean "
           f"{native.mean():.4f}; the two bf16 routes apart: mean {between.mean():.4f} max {between.max():.4f}")
     assert err.mean() < 0.1 and err.max() < 1.5 and err.mean() <= 1.5 * native.mean()
-    assert between.mean() <= native.mean()
+    # two independent bf16 roundings of the same fp32 values lie about sqrt(2) times as far apart as each lies from
+    # fp32 (measured on an Intel Xeon with AMX: 0.0519 apart vs 0.0441 native-to-fp32); 1.5x still catches a
+    # wrong accumulation, which moves them by far more
+    assert between.mean() <= 1.5 * native.mean()
 
 
 def test_bf16_uses_megatron_mixed_precision(logprobs_by_dtype):
