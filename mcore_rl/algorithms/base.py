@@ -230,15 +230,21 @@ class Algorithm:
         return batch.old_logp if self.needs_old_logp else batch.rollout_logp
 
     # ---- per rollout batch / per step --------------------------------------------------------------
+    def shaped_rewards(self, rewards: Tensor, lengths: Tensor | None) -> Tensor:
+        """The rewards advantages are computed from: plus DAPO's soft overlong penalty where configured."""
+        c = self.config
+        if c.overlong_buffer_len <= 0:
+            return rewards
+        if lengths is None:
+            raise ValueError(f"algorithm {self.name!r}: overlong_buffer_len > 0 needs response lengths")
+        return rewards.to(torch.float64) + overlong_penalty(
+            lengths, c.max_response_len, c.overlong_buffer_len, c.overlong_penalty_factor)
+
     def advantages(self, rewards: Tensor, group_ids: Tensor, reduce: Reducer = identity_reduce,
                    lengths: Tensor | None = None) -> AdvantageResult:
         """Sequence advantages [N] and the zero-variance keep mask; `lengths` = response lengths (DAPO)."""
         c = self.config
-        if c.overlong_buffer_len > 0:
-            if lengths is None:
-                raise ValueError(f"algorithm {self.name!r}: overlong_buffer_len > 0 needs response lengths")
-            rewards = rewards.to(torch.float64) + overlong_penalty(
-                lengths, c.max_response_len, c.overlong_buffer_len, c.overlong_penalty_factor)
+        rewards = self.shaped_rewards(rewards, lengths)
         return compute_advantages(rewards, group_ids, std_norm=c.adv_std_norm, eps=c.adv_eps,
                                   unbiased=c.adv_std_unbiased, filter_zero_variance=c.filter_zero_variance,
                                   batch_std_source=c.batch_std_source, reduce=reduce)

@@ -31,7 +31,6 @@ from mcore_rl.algorithms.advantages import (
     AdvantageResult,
     advantage_result,
     group_stats,
-    overlong_penalty,
     refuse_singleton_groups,
 )
 from mcore_rl.algorithms.base import PolicyTerms, TokenBatch
@@ -120,9 +119,7 @@ class ReinforcePP(GRPO):
         c = self.config
         if lengths is None:
             raise ValueError(f"algorithm {self.name!r}: the token-level whitening needs response lengths")
-        r = rewards.detach().to(torch.float64)
-        if c.overlong_buffer_len > 0:
-            r = r + overlong_penalty(lengths, c.max_response_len, c.overlong_buffer_len, c.overlong_penalty_factor)
+        r = self.shaped_rewards(rewards.detach().to(torch.float64), lengths)
         st = group_stats(r, group_ids, c.adv_std_unbiased)
         a = r
         if c.baseline == "group":

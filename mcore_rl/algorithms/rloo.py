@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mcore_rl.algorithms.advantages import AdvantageResult, leave_one_out_advantages, overlong_penalty
+from mcore_rl.algorithms.advantages import AdvantageResult, leave_one_out_advantages
 from mcore_rl.algorithms.base import PolicyTerms, TokenBatch
 from mcore_rl.algorithms.correction import check_choice
 from mcore_rl.algorithms.grpo import GRPO, GrpoConfig, ppo_clip_loss
@@ -64,11 +64,7 @@ class RLOO(GRPO):
                    lengths: Tensor | None = None) -> AdvantageResult:
         """Leave-one-out advantages; a group of one response is refused (ConfigError: one line, exit 2)."""
         c = self.config
-        if c.overlong_buffer_len > 0:
-            if lengths is None:
-                raise ValueError(f"algorithm {self.name!r}: overlong_buffer_len > 0 needs response lengths")
-            rewards = rewards.to(torch.float64) + overlong_penalty(
-                lengths, c.max_response_len, c.overlong_buffer_len, c.overlong_penalty_factor)
+        rewards = self.shaped_rewards(rewards, lengths)
         return leave_one_out_advantages(rewards, group_ids, std_norm=c.adv_std_norm, eps=c.adv_eps,
                                         unbiased=c.adv_std_unbiased, filter_zero_variance=c.filter_zero_variance,
                                         reduce=reduce, owner=self.name)
