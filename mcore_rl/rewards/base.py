@@ -163,14 +163,21 @@ def crash_rate(results: list[RewardResult]) -> float:
     return sum(_has(r, CRASH_REASONS) for r in results) / max(1, len(results))
 
 
+def check_crash_rate(max_crash_rate: float) -> float:
+    """`reward.max_crash_rate` as a float in (0, 1], else one ValueError line (checked before any model is built
+    and again where the guard is made)."""
+    rate = float(max_crash_rate)
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"reward.max_crash_rate must be in (0, 1]; got {max_crash_rate}")
+    return rate
+
+
 class CrashRateGuard:
     """Wraps a reward: a step whose crash rate passes `max_crash_rate` stops the run with one line, instead of
     training on all-zero rewards that only look like a model that never answers right."""
 
     def __init__(self, inner: RewardFn, max_crash_rate: float):
-        if not 0.0 < max_crash_rate <= 1.0:
-            raise ValueError(f"reward.max_crash_rate must be in (0, 1]; got {max_crash_rate}")
-        self.inner, self.max_crash_rate = inner, max_crash_rate
+        self.inner, self.max_crash_rate = inner, check_crash_rate(max_crash_rate)
         self.uses_text = uses_text(inner)
 
     def score(self, responses: list[str], answers: list[str], records: list[dict] | None = None

@@ -19,6 +19,7 @@ from mcore_rl.rewards.base import (
     CrashRateGuard,
     RewardFn,
     RewardResult,
+    check_crash_rate,
     check_lengths,
     describe,
     score_with_records,
@@ -165,8 +166,8 @@ def check_reward(cfg: Mapping[str, Any] | Any) -> None:
             options = config_from_dict(config_cls, _options(cfg, n), f"reward.{n}")
             if kind in _CHECKS:
                 _CHECKS[kind](options, where=f"reward.{n}")
-        if cfg.get("max_crash_rate") is not None and not 0.0 < float(cfg["max_crash_rate"]) <= 1.0:
-            raise ValueError(f"reward.max_crash_rate must be in (0, 1]; got {cfg['max_crash_rate']}")
+        if cfg.get("max_crash_rate") is not None:
+            check_crash_rate(cfg["max_crash_rate"])
     except ConfigError:
         raise
     except ValueError as e:
