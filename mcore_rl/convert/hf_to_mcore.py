@@ -26,8 +26,9 @@ from mcore_rl.convert.common import (
 )
 from mcore_rl.convert.launch import run_ranks
 from mcore_rl.convert.shapes import check_hf_checkpoint
-from mcore_rl.models.base import ModelArgs, ModelFamily, family_for, read_hf_config
+from mcore_rl.models.base import ModelArgs, ModelFamily, read_hf_config
 from mcore_rl.models.hf_io import HFReader, copy_side_files
+from mcore_rl.models.seq_cls import model_family
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -45,13 +46,14 @@ class HfToMcoreJob:
 
 
 def load_hf_model_info(hf_dir: str | Path) -> tuple[dict[str, Any], ModelFamily, ModelArgs]:
-    """Config -> (config, family, args) with one-line errors for a missing config or an unknown architecture."""
+    """Config -> (config, family, args) with one-line errors for a missing config or an unknown architecture.
+    A sequence classifier (reward model) gets its causal family's decoder and its score head (models/seq_cls.py)."""
     try:
         cfg = read_hf_config(hf_dir)
     except FileNotFoundError as e:
         raise ConvertError(str(e)) from e
     try:
-        family = family_for(cfg)
+        family = model_family(cfg)
         args = family.args(cfg)  # refuses config fields the adapter does not map exactly
     except ValueError as e:
         raise ConvertError(f"{Path(hf_dir) / 'config.json'}: {e}") from e

@@ -30,9 +30,10 @@ from mcore_rl.convert.common import (
 from mcore_rl.convert.dist_reader import DistCheckpointReader
 from mcore_rl.convert.shapes import VOCAB_TENSORS, mcore_shape, split_layer
 from mcore_rl.dtypes import long_name
-from mcore_rl.models.base import ModelArgs, ModelFamily, family_for
+from mcore_rl.models.base import ModelArgs, ModelFamily
 from mcore_rl.models.hf_io import copy_side_files, write_hf_shards
 from mcore_rl.models.llama import te_name
+from mcore_rl.models.seq_cls import model_family
 
 Box = tuple[str, tuple[int, ...], tuple[int, ...]]
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
@@ -195,7 +196,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, hf_config: str | Path | None 
     meta = read_ckpt_meta(ckpt)
     cfg = ckpt_hf_config(ckpt, hf_config)
     try:
-        family = family_for(cfg)
+        family = model_family(cfg)  # a reward model's score head too
         reader = DistCheckpointReader(ckpt)
     except (ValueError, FileNotFoundError) as e:
         raise ConvertError(str(e)) from e

@@ -51,7 +51,8 @@ def mark_tensor_parallel_weights(model) -> None:
 
 
 def build_model(args: ModelArgs, tp: int, pp: int, dtype: str, ep: int = 1):
-    """Unwrapped (no DDP, no grad buffers) GPTModel shard for this rank, uninitialised."""
+    """Unwrapped (no DDP, no grad buffers) GPTModel shard for this rank, uninitialised (a reward model's with its
+    score head)."""
     from mcore_rl.models.spec import BuildConfig
     from mcore_rl.policy.build import build_gpt_model
 
@@ -59,6 +60,10 @@ def build_model(args: ModelArgs, tp: int, pp: int, dtype: str, ep: int = 1):
     cfg = BuildConfig(dtype=dtype, tp=tp, pp=pp, ep=ep, transformer_impl="local")
     with without_random_init():
         model = build_gpt_model(args, cfg, wrap_ddp=False)
+    if args.num_labels:  # a reward model: the output layer is its score head (models/seq_cls.py)
+        from mcore_rl.policy.score_model import attach_score_head
+
+        attach_score_head(model, args)
     mark_tensor_parallel_weights(model)
     return model
 

@@ -20,7 +20,7 @@ VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 # canonical (local-spec) Megatron suffix -> full (TP=1) shape
 _SHAPES: dict[str, Callable[[ModelArgs], tuple[int, ...]]] = {
     "embedding.word_embeddings.weight": lambda a: (a.vocab_size, a.hidden_size),
-    "output_layer.weight": lambda a: (a.vocab_size, a.hidden_size),
+    "output_layer.weight": lambda a: (a.num_labels or a.vocab_size, a.hidden_size),  # a reward model's score head
     "decoder.final_layernorm.weight": lambda a: (a.hidden_size,),
     "input_layernorm.weight": lambda a: (a.hidden_size,),
     "pre_mlp_layernorm.weight": lambda a: (a.hidden_size,),

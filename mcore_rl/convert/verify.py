@@ -120,6 +120,9 @@ def verify(hf_dir: str | Path, ckpt: str | Path, tp: int = 1, pp: int = 1, promp
     hf_dir, ckpt = Path(hf_dir).absolute(), Path(ckpt).absolute()
     read_ckpt_meta(ckpt)  # complete?
     _, _, args = load_hf_model_info(hf_dir)
+    if args.num_labels:
+        raise ConvertError(f"verify compares a causal LM's vocabulary logits; {hf_dir} is a reward model "
+                           f"({args.architecture}) with no vocabulary logits")
     cfg = ckpt_hf_config(ckpt, None) if (ckpt / HF_SUBDIR).is_dir() else None
     try:
         validate_parallel(args, tp, pp)

@@ -149,7 +149,8 @@ class Trajectory:
 
 
 class Environment:
-    """Base class. Subclasses set `config_cls`, implement `records` and `respond`, and may list `tools`."""
+    """Base class. Subclasses set `config_cls`, implement `records` and `respond`, may list `tools` and may
+    implement `solve` (a scripted solver for SFT demonstrations)."""
 
     config_cls: ClassVar[type[EnvConfig]] = EnvConfig
 
@@ -177,6 +178,17 @@ class Environment:
     def respond(self, episode: Episode, reply: str) -> Feedback:
         """Judge `reply` (the model's text this turn; it called no tool)."""
         raise NotImplementedError
+
+    def solve(self, record: PromptRecord) -> list[Message] | None:
+        """Optional scripted solver: the messages of a correct episode that follow `start(record)`'s, or None.
+
+        The hook an environment implements to give supervised (SFT) demonstrations (`python -m
+        mcore_rl.envs.demos`, docs/environments.md): assistant messages written exactly as the policy would have to
+        write them (tool calls in `config.tool_format`), each followed by what the episode runner would put after
+        it (one `{"role": "tool", "name": ..., "content": ...}` per call, or `respond`'s feedback messages). Every
+        demonstration is replayed through this environment and kept only if it scores 1.0, so a solver cannot teach
+        what RL would not reward. The default (None) means the environment has no solver."""
+        return None
 
     def close(self) -> None:
         pass
@@ -210,5 +222,24 @@ def build_environment(cfg: Mapping[str, Any]) -> Environment:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"env={name!r}: unknown key(s) {unknown}; known: {sorted(known)}")
+    for f in dataclasses.fields(cls.config_cls):
+        if f.name in data:
+            _check_type(f, data[f.name])
     config = cls.config_cls(**data)
     return cls(config)
+
+
+_SCALARS: tuple[type, ...] = (bool, int, float, str)
+
+
+def _check_type(f: dataclasses.Field, value: Any) -> None:
+    """A scalar key gets a value of its default's type (an int where a float is due), so `env.size=abc` is a
+    one-line error naming the key, not a TypeError from deep inside a comparison."""
+    default = f.default
+    if type(default) not in _SCALARS:
+        return
+    want = type(default)
+    ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+    ok = ok or (want is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise ValueError(f"env.{f.name}={value!r} must be of type {want.__name__}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from mcore_rl.data.records import PromptRecord
@@ -17,51 +16,52 @@ from mcore_rl.envs.base import ENVS, EnvConfig, Environment, Episode, Feedback, 
 from mcore_rl.envs.calc import evaluate
 from mcore_rl.rewards.extract import extract_answer
 
-# Problems by number of operations: (template, answer as a function of the operands a, b, c, d, drawn per problem).
-# Two operations (`b*c - d`, `b*c + a`) have the demonstration's shape; three (`a + b*c - d`) need one more operand
+# Problems by number of operations: (template, the expression that solves it), both over the operands a, b, c, d
+# drawn per problem. The expression is the single source of the answer (evaluated by the calc tool's own code) and
+# what the scripted solver (`CalculatorEnv.solve`) sends to `calc`, in the question's word order. Two operations (`b*c - d`, `b*c + a`) have the demonstration's shape; three (`a + b*c - d`) need one more operand
 # placed right.
-_PROBLEMS: dict[int, list[tuple[str, Callable[[int, int, int, int], int]]]] = {
+_PROBLEMS: dict[int, list[tuple[str, str]]] = {
     2: [
         (
             "A bakery bakes {b} trays of {c} cookies each and sells {d} cookies. How many cookies are left?",
-            lambda a, b, c, d: b * c - d,
+            "{b}*{c} - {d}",
         ),
         (
             "A truck carries {b} crates of {c} apples each and drops off {d} apples. "
             "How many apples are still on the truck?",
-            lambda a, b, c, d: b * c - d,
+            "{b}*{c} - {d}",
         ),
         (
             "A school buys {b} packs of {c} pencils each and already has {a} pencils. "
             "How many pencils does it have now?",
-            lambda a, b, c, d: b * c + a,
+            "{b}*{c} + {a}",
         ),
         (
             "A library has {b} shelves of {c} books each and {a} more books in storage. "
             "How many books does it have in total?",
-            lambda a, b, c, d: b * c + a,
+            "{b}*{c} + {a}",
         ),
     ],
     3: [
         (
             "A warehouse holds {a} boxes. It receives {b} shipments of {c} boxes each, then sends out {d} boxes. "
             "How many boxes are in the warehouse now?",
-            lambda a, b, c, d: a + b * c - d,
+            "{a} + {b}*{c} - {d}",
         ),
         (
             "A farm has {b} fields that each yield {c} kg of grain, plus {a} kg in its silo. It sells {d} kg. "
             "How many kg of grain does it have left?",
-            lambda a, b, c, d: b * c + a - d,
+            "{b}*{c} + {a} - {d}",
         ),
         (
             "A factory made {a} parts last month and {b} batches of {c} parts this month; {d} parts failed "
             "inspection. How many good parts did it make in the two months?",
-            lambda a, b, c, d: a + b * c - d,
+            "{a} + {b}*{c} - {d}",
         ),
         (
             "A city had {a} residents. Over {b} years its population grew by {c} people a year, and {d} people "
             "moved away in total. How many residents does it have now?",
-            lambda a, b, c, d: a + b * c - d,
+            "{a} + {b}*{c} - {d}",
         ),
     ],
 }
@@ -115,26 +115,36 @@ _DEMO_QUESTION = "A shop has 12 shelves of 3417 cans each and sells 5230 cans. H
 _DEMO_EXPRESSION = "12*3417 - 5230"
 
 
-def demonstration(tool_format: str) -> list[Message]:
-    """One solved problem as chat turns: the question, a calc call in `tool_format`, its result, the answer. Its
-    wording matches none of the generated problems, so it never leaks a training or held-out answer."""
-    value = evaluate(_DEMO_EXPRESSION)
+def solved_turns(tool_format: str, expression: str) -> list[Message]:
+    """A correct episode's turns after the question: one `calc` call on the whole `expression`, spelled in
+    `tool_format` as the system prompt shows it, the tool's result as the runner writes it, and the boxed answer.
+
+    Why one combined call and not one per operation: it is the in-prompt demonstration's shape, and it takes two
+    model turns whatever the number of operations, so it fits every `max_turns >= 2`."""
+    value = evaluate(expression)
     return [
-        {"role": "user", "content": _DEMO_QUESTION},
-        {"role": "assistant", "content": example_call(tool_format, _DEMO_EXPRESSION)},
+        {"role": "assistant", "content": example_call(tool_format, expression)},
         {"role": "tool", "name": "calc", "content": value},
         {"role": "assistant", "content": f"\\boxed{{{value}}}"},
     ]
 
 
-def _problem(rng: random.Random, cfg: CalculatorConfig) -> tuple[str, int]:
+def demonstration(tool_format: str) -> list[Message]:
+    """One solved problem as chat turns: the question, a calc call in `tool_format`, its result, the answer. Its
+    wording matches none of the generated problems, so it never leaks a training or held-out answer."""
+    return [{"role": "user", "content": _DEMO_QUESTION}, *solved_turns(tool_format, _DEMO_EXPRESSION)]
+
+
+def _problem(rng: random.Random, cfg: CalculatorConfig) -> tuple[str, str, str]:
+    """(question, expression, answer) of one drawn problem."""
     problems = _PROBLEMS[cfg.operations]
-    template, answer = problems[rng.randrange(len(problems))]
+    template, expr_template = problems[rng.randrange(len(problems))]
     a, c = rng.randint(cfg.min_operand, cfg.max_operand), rng.randint(cfg.min_operand, cfg.max_operand)
     b = rng.randint(3, 99)
     total = b * c + (a if cfg.operations == 3 else 0)  # what d is subtracted from: the answer stays positive
     d = rng.randint(cfg.min_operand, min(cfg.max_operand, total - 1))
-    return template.format(a=a, b=b, c=c, d=d), answer(a, b, c, d)
+    expression = expr_template.format(a=a, b=b, c=c, d=d)
+    return template.format(a=a, b=b, c=c, d=d), expression, evaluate(expression)
 
 
 def final_number(reply: str) -> int | None:
@@ -170,7 +180,7 @@ class CalculatorEnv(Environment):
         rng = random.Random(f"calculator:{split}:{self.config.seed}")
         out: list[PromptRecord] = []
         while len(out) < size:
-            question, answer = _problem(rng, self.config)
+            question, expression, answer = _problem(rng, self.config)
             if question in exclude:
                 continue
             exclude.add(question)
@@ -181,14 +191,19 @@ class CalculatorEnv(Environment):
                 PromptRecord(
                     f"calc-{split}-s{self.config.seed}-{len(out)}",
                     prompt,
-                    str(answer),
-                    {"question": question, "split": split},
+                    answer,
+                    {"question": question, "expression": expression, "split": split},
                 )
             )
         return out
 
     def start(self, record: PromptRecord) -> list[Message]:
         return [dict(m) for m in record.prompt]
+
+    def solve(self, record: PromptRecord) -> list[Message] | None:
+        """One `calc` call on the problem's expression, then the boxed result (`solved_turns`)."""
+        expression = record.metadata.get("expression")
+        return solved_turns(self.config.tool_format, expression) if expression else None
 
     def respond(self, episode: Episode, reply: str) -> Feedback:
         got = final_number(reply)

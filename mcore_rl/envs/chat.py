@@ -81,6 +81,31 @@ class TurnRenderer:
             raise ValueError("the chat template drops or rewrites an assistant reply once messages follow it")
         return self.encode(full[at + len(self._reply_end) :])
 
+    def episode_ids(self, messages: Sequence[Message], prompt_messages: int) -> tuple[list[int], list[int]]:
+        """(ids, mask) of a finished episode as the runner builds it, for supervised training on demonstrations:
+        the first `prompt_messages` messages as the prompt, each later assistant message as its content's ids plus
+        the end-of-turn token (mask 1: what the policy emits), and each run of other messages as the continuation
+        cut after the previous turn (mask 0). Unlike tokenizing the whole rendered conversation, nothing comes after
+        the last end-of-turn token (ChatML templates add a newline there that the policy never produces), and
+        templates that rewrite earlier assistant turns (Qwen3's <think> blocks) cannot shift a boundary."""
+        if len(messages) > prompt_messages and messages[prompt_messages].get("role") != "assistant":
+            raise ValueError("the first message after the prompt must be the model's (role assistant)")
+        ids = self.prompt_ids(messages[:prompt_messages])
+        mask = [0] * len(ids)
+        pending: list[Message] = []
+        for m in messages[prompt_messages:]:
+            if m.get("role") != "assistant":
+                pending.append(m)
+                continue
+            if pending:
+                cont = self.continuation_ids(pending)
+                ids, mask, pending = ids + cont, mask + [0] * len(cont), []
+            turn = [*self.encode(str(m.get("content") or "")), self.eot_id]
+            ids, mask = ids + turn, mask + [1] * len(turn)
+        if pending:
+            raise ValueError("an episode ends with a model turn, not with a tool or environment message")
+        return ids, mask
+
     def render_text(self, messages: Sequence[Message]) -> str:
         """The whole conversation as the template renders it (for checks and logs; never used for ids)."""
         return self._render(messages, generation_prompt=False)

@@ -17,7 +17,7 @@ from mcore_rl.data.records import PromptRecord
 from mcore_rl.envs.base import Environment, Episode, Feedback, Message, Trajectory
 from mcore_rl.envs.chat import TurnRenderer
 from mcore_rl.envs.tool_calls import ToolCall, parse_tool_calls
-from mcore_rl.envs.tools import ToolResult, ToolRunner
+from mcore_rl.envs.tools import ToolResult, ToolRunner, tool_message
 from mcore_rl.rollout.protocol import GenerationRequest, RolloutEngine, Sample, SamplingParams
 
 _rid_counter = itertools.count()
@@ -246,7 +246,7 @@ class EpisodeRunner:
         live.feedback = Feedback(
             0.0,
             False,
-            [{"role": "tool", "name": r.call.name or "invalid", "content": r.text} for r in results],
+            [tool_message(r) for r in results],
         )
 
     def _after_reply(self, live: _Live) -> None:

@@ -76,6 +76,11 @@ class ToolResult:
     #              memory_limit | error:<exception type>
 
 
+def tool_message(result: ToolResult) -> dict[str, Any]:
+    """The message a tool result becomes in the conversation (the runner's, and a scripted solver's replay)."""
+    return {"role": "tool", "name": result.call.name or "invalid", "content": result.text}
+
+
 @dataclass
 class ToolStats:
     reasons: Counter = field(default_factory=Counter)

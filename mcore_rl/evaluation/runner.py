@@ -94,7 +94,7 @@ def evaluate_set(engine: RolloutEngine, hs: HeldOutSet, gen: GenerationConfig, s
     summary = summarize_correct(matrix, ks)
     summary.update({"response_len": float(lengths.mean()), "truncation_rate": float(truncated.mean()),
                     "time_generate_s": t_gen, "time_total_s": time.perf_counter() - t0,
-                    "tokens_per_s": float(lengths.sum() / max(t_gen, 1e-9))})
+                    "tokens_per_s": float(lengths.sum() / max(t_gen, 1e-9)), **hs.scorer.reward_means()})
     per_prompt = [{"prompt_id": r.prompt_id, "answer": r.answer, "correct": matrix[i].tolist(),
                    "responses": texts[i * gen.n:(i + 1) * gen.n]} for i, r in enumerate(hs.records)]
     return SetResult(spec or hs.name, hs.name, summary, per_prompt, matrix)
@@ -111,6 +111,7 @@ def _trainer_metrics(r: SetResult, k: int) -> dict[str, Any]:
         "num_prompts": s["num_prompts"],
         "response_len": s["response_len"],
         "truncation_rate": s["truncation_rate"],
+        **{key: v for key, v in s.items() if key.startswith("reward")},  # reward_mean, reward/<key>
         # per-prompt fraction correct (a list, not a metric: the trainer writes it to eval_prompts.jsonl) so that
         # experiments can bootstrap over held-out prompts as well as seeds
         "per_prompt_correct": r.correct.mean(1).tolist(),

@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
 from mcore_rl.data import PromptRecord
-from mcore_rl.rewards.base import record_dict, score_with_records
+from mcore_rl.rewards.base import RewardResult, record_dict, score_with_records
 from mcore_rl.rewards.extract import extract_answer
 
 
@@ -18,6 +20,11 @@ class Scorer(Protocol):
     """`correct(responses, records)` -> one bool per response (records[i] is response i's prompt)."""
 
     def correct(self, responses: list[str], records: list[PromptRecord]) -> list[bool]: ...
+
+    def reward_means(self) -> dict[str, float]:
+        """The last `correct` call's mean reward (`reward_mean`) and per-sample reward metrics (`reward/<key>`):
+        what a reward model or judge is judged by, since neither says what is correct. {} without a reward."""
+        ...
 
     def close(self) -> None: ...
 
@@ -28,11 +35,16 @@ class RewardScorer:
 
     def __init__(self, reward) -> None:
         self.reward = reward
+        self._means: dict[str, float] = {}
 
     def correct(self, responses: list[str], records: list[PromptRecord]) -> list[bool]:
         results = score_with_records(self.reward, responses, [rec.answer for rec in records],
                                      [record_dict(rec) for rec in records])
+        self._means = reward_means(results)
         return [bool(r.correct) for r in results]
+
+    def reward_means(self) -> dict[str, float]:
+        return dict(self._means)
 
     def close(self) -> None:
         pass
@@ -88,8 +100,22 @@ class ReasoningGymScorer:
             out.append(candidate is not None and float(self.dataset.score_answer(candidate, entry)) >= 1.0 - 1e-9)
         return out
 
+    def reward_means(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         pass
+
+
+def reward_means(results: list[RewardResult]) -> dict[str, float]:
+    """`reward_mean` over the results and, per metric key, `reward/<key>` over the results that report it."""
+    if not results:
+        return {}
+    out = {"reward_mean": float(np.mean([r.score for r in results]))}
+    keys = sorted({k for r in results for k in r.metrics})
+    for k in keys:
+        out[f"reward/{k}"] = float(np.mean([r.metrics[k] for r in results if k in r.metrics]))
+    return out
 
 
 SCORERS: dict[str, Callable[[dict[str, Any]], Scorer]] = {

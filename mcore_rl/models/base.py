@@ -85,6 +85,9 @@ class ModelArgs:
     moe: MoeArgs | None = None  # Mixture-of-Experts MLPs (None = dense)
     sliding_window: int | None = None  # attend to the last `sliding_window` tokens only (None = full causal)
     window_layers: tuple[int, ...] | None = None  # the windowed layers when only some are (None = all of them)
+    # 0: a causal LM; > 0: a sequence classifier (models/seq_cls.py) whose output layer is its score head
+    # [num_labels, hidden] instead of the LM head
+    num_labels: int = 0
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
 

@@ -1,5 +1,7 @@
 """Rewards: math-verify in a killable process pool, a format reward, reward functions from user code (in the same
-sandboxed pool), remote reward services (OpenRLHF's protocol), and a registry for Hydra. docs/rewards.md."""
+sandboxed pool), remote reward services (OpenRLHF's protocol), reward models (`rm`: the trainer's Megatron RM or
+SGLang's /classify) and LLM judges (`judge`: OpenAI-compatible /v1/chat/completions), and a registry for Hydra.
+docs/rewards.md."""
 
 from mcore_rl.rewards.base import (
     CrashRateGuard,

@@ -119,9 +119,9 @@ def _has(result: RewardResult, reasons: tuple[str, ...]) -> bool:
 
 
 # Reasons that mean the reward machinery failed (not the model): a verifier or reward function that died, raised or
-# returned no number, a reward service that failed after its retries. A timeout is counted apart: a model that writes
-# 9**9**9 causes one legitimately.
-CRASH_REASONS = ("worker_crash", "memory_limit", "error", "invalid", "remote_error")
+# returned no number, a reward service, reward model server or LLM judge that failed after its retries. A timeout
+# is counted apart: a model that writes 9**9**9 causes one legitimately.
+CRASH_REASONS = ("worker_crash", "memory_limit", "error", "invalid", "remote_error", "judge_error")
 
 
 def failure_counts(results: list[RewardResult], prefix: str = "reward_") -> dict[str, float]:

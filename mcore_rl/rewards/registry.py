@@ -10,6 +10,7 @@ module), so a bad reward fails before any model is built.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,7 +32,8 @@ RewardBuilder = Callable[[dict[str, Any]], RewardFn]
 REWARDS: Registry[RewardBuilder] = Registry(
     "reward.name",
     {"math_verify": "mcore_rl.rewards.verifier", "format": "mcore_rl.rewards.format_reward",
-     "function": "mcore_rl.rewards.function", "remote": "mcore_rl.rewards.remote"},
+     "function": "mcore_rl.rewards.function", "remote": "mcore_rl.rewards.remote",
+     "rm": "mcore_rl.rewards.reward_model", "judge": "mcore_rl.rewards.judge"},
 )
 # name -> the dataclass its options are built into (config audits, check_reward); name -> a cheap extra check
 _CONFIGS: dict[str, type] = {}
@@ -66,7 +68,8 @@ def part_kind(part: str) -> str:
 
 class CombinedReward:
     """Weighted sum of parts. `correct` comes from the parts that judge correctness (any of them). Extra metrics of
-    the parts are merged; a key an earlier part already reported is kept as `<part>/<key>`."""
+    the parts are merged; a key an earlier part already reported is kept as `<part>/<key>`. Each part's own
+    (unweighted) score is a metric named after the part, logged as `reward/<part>`: what each part contributes."""
 
     def __init__(self, parts: list[tuple[str, RewardFn, float]]):
         self.parts = parts
@@ -79,7 +82,7 @@ class CombinedReward:
         out = []
         for i in range(len(responses)):
             rs = [(name, res[i], w) for name, res, w in per_part]
-            metrics: dict[str, float] = {}
+            metrics: dict[str, float] = {name: r.score for name, r, _ in rs}
             for name, r, _ in rs:
                 for k, v in r.metrics.items():
                     metrics[f"{name}/{k}" if k in metrics else k] = v
@@ -97,10 +100,11 @@ class CombinedReward:
         return " + ".join(f"{w:g} * {name}: {describe(fn)}" for name, fn, w in self.parts)
 
     def metrics(self) -> dict[str, float]:
+        """The parts' counters; two parts of one kind (judge+judge2) report the same keys: their counts add up."""
         out: dict[str, float] = {}
         for _, fn, _ in self.parts:
-            if hasattr(fn, "metrics"):
-                out.update(fn.metrics())
+            for k, v in (fn.metrics() if hasattr(fn, "metrics") else {}).items():
+                out[k] = out.get(k, 0.0) + v
         return out
 
     def close(self) -> None:
@@ -148,6 +152,15 @@ def _options(cfg: dict[str, Any], part: str) -> dict[str, Any]:
     return dict(section or {})
 
 
+def part_options(cfg: Mapping[str, Any] | Any) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Each part of the reward group: part name -> (registered kind, its options section as a plain dict). For code
+    that builds what a part needs before the reward itself (the trainer's Megatron RM for `rm` parts)."""
+    plain = _plain(cfg)
+    if not plain:
+        return {}
+    return {n: (part_kind(n), _options(plain, n)) for n in _parts(plain)[0]}
+
+
 def check_reward(cfg: Mapping[str, Any] | Any) -> None:
     """Validate the reward group without building it: names, weights, each part's options against its dataclass,
     and each part's own cheap check (a reward function's module imports). Raises ConfigError (one line, exit 2)."""
@@ -174,23 +187,34 @@ def check_reward(cfg: Mapping[str, Any] | Any) -> None:
         raise ConfigError(str(e)) from None
 
 
-def build_reward(cfg: Mapping[str, Any] | Any) -> RewardFn:
+def build_reward(cfg: Mapping[str, Any] | Any, scorers: Mapping[str, Any] | None = None) -> RewardFn:
     """From `{name: "math_verify+format", weights: {...}, max_crash_rate: 0.5, math_verify: {...}, ...}`.
-    With `max_crash_rate` set, the reward stops the run when that share of a step's cases crash."""
+    With `max_crash_rate` set, the reward stops the run when that share of a step's cases crash. `scorers`: part
+    name -> TokenScorer (rewards/reward_model.py) for `rm` parts scored by the caller (placement=trainer: the
+    trainer's Megatron RM); a builder that takes a `scorer` gets its part's (None when not given)."""
     cfg = _plain(cfg)
     max_crash_rate = cfg.pop("max_crash_rate", None)
-    fn = _build(cfg)
+    fn = _build(cfg, dict(scorers or {}))
     return fn if max_crash_rate is None else CrashRateGuard(fn, float(max_crash_rate))
 
 
-def _build(cfg: dict[str, Any]) -> RewardFn:
+def _make(cfg: dict[str, Any], part: str, scorers: dict[str, Any]) -> RewardFn:
+    builder = REWARDS[part_kind(part)]
+    if "scorer" not in inspect.signature(builder).parameters:
+        return builder(_options(cfg, part))
+    return builder(_options(cfg, part), scorer=scorers.get(part), where=f"reward.{part}")
+
+
+def _build(cfg: dict[str, Any], scorers: dict[str, Any]) -> RewardFn:
     names, weights = _parts(cfg)
+    if stray := sorted(set(scorers) - set(names)):
+        raise ValueError(f"build_reward: scorers given for {stray}, which reward.name={cfg['name']!r} does not name")
     if len(names) == 1 and weights[names[0]] == 1.0:
-        return REWARDS[part_kind(names[0])](_options(cfg, names[0]))
+        return _make(cfg, names[0], scorers)
     parts: list[tuple[str, RewardFn, float]] = []
     try:
         for n in names:
-            parts.append((n, REWARDS[part_kind(n)](_options(cfg, n)), weights[n]))
+            parts.append((n, _make(cfg, n, scorers), weights[n]))
     except Exception:
         for _, fn, _ in parts:
             fn.close()

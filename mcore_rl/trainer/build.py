@@ -103,6 +103,7 @@ def _preflight(cfg: MainConfig) -> bool:
         from mcore_rl.rewards import check_reward
 
         check_reward(cfg.reward)
+        _check_trainer_rms(cfg)
     deterministic = resolve_deterministic(cfg.trainer.deterministic, cfg.rollout.engine)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -164,6 +165,7 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
     configure_bf16_matmul(cfg.model.bf16_matmul, {dtype, engine_dtype(getattr(cfg.rollout, "dtype", None), dtype)})
     p = _Parts(*load_policies(cfg, model_dir, dtype, algorithm), engine=None, reward_fn=None, data=data, compute=None)
     _log_start(cfg, p.policy, lay.rank)
+    p.rm_service = _reward_models(cfg, dtype)  # every rank: reward.rm.placement=trainer (None without one)
     if cfg.env is not None and lay.rank != 0:
         from mcore_rl.trainer.episodes import build_env
 
@@ -173,7 +175,9 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
         from mcore_rl.rewards import build_reward, describe
 
         p.engine = make_engine(cfg.rollout, sched_cls, model_dir, dtype, deterministic, cfg.seed)
-        p.reward_fn = build_reward(cfg.reward) if cfg.env is None else None  # env=NAME: the env rewards
+        scorers = p.rm_service.scorers() if p.rm_service is not None else None
+        if cfg.env is None:  # env=NAME: the environment rewards
+            p.reward_fn = build_reward(cfg.reward, scorers=scorers)
         if p.reward_fn is not None:
             log.warning("reward: %s", describe(p.reward_fn))  # parts, weights, limits, function path, url host
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -203,6 +207,33 @@ def build(cfg: MainConfig) -> tuple[Components, RunState]:
 
         (lay.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(record)))
     return c, state
+
+
+def _check_trainer_rms(cfg: MainConfig) -> None:
+    """reward.rm.placement=trainer: the RM's architecture and its split over parallel.tp / parallel.pp, one line."""
+    import os
+
+    from mcore_rl.trainer.reward_service import check_trainer_rms
+
+    try:
+        check_trainer_rms(cfg.reward, cfg.parallel.tp, cfg.parallel.pp, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _reward_models(cfg: MainConfig, dtype: str) -> Any:
+    """The Megatron reward models of rm parts with placement=trainer (trainer/reward_service.py), built like the
+    frozen reference model: the run's TP/PP and resolved dtype, its token budget, no optimizer."""
+    if cfg.env is not None:
+        return None
+    from mcore_rl.trainer.reward_service import build_reward_service
+    from mcore_rl.trainer.setup import policy_config
+
+    pcfg = policy_config(cfg, dtype)
+    try:
+        return build_reward_service(cfg.reward, pcfg.build, pcfg.token_budget, pcfg.packed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _log_start(cfg: MainConfig, policy: Policy, rank: int) -> None:
@@ -272,6 +303,7 @@ class _Parts:
     data: Any
     compute: Any
     episodes: Any = None
+    rm_service: Any = None  # reward.rm.placement=trainer: the reward models on every rank
 
 
 def _round_parts(
@@ -285,7 +317,8 @@ def _round_parts(
     passes = int(algorithm.needs_old_logp and not reuse) + int(p.ref is not None) + int(p.ewma is not None)
     rounds = Rounds(schedule, lay.rank, t.samples_per_prompt, t.prompts_per_update, cfg.algorithm, data=p.data,
                     reward_fn=p.reward_fn, compute=p.compute, engine=p.engine, scoring_passes=passes,
-                    episodes=cfg.env is not None, mask_stale=cfg.partial_rollout.enabled and cfg.partial_rollout.mask_stale)  # fmt: skip
+                    episodes=cfg.env is not None, mask_stale=cfg.partial_rollout.enabled and cfg.partial_rollout.mask_stale,
+                    rm_service=p.rm_service)  # fmt: skip
     prompts_log = PromptsLog(lay.run_dir / "prompts.jsonl", enabled=lay.rank == 0)
     guard = NonFiniteGuard(max_consecutive=t.max_nonfinite_skips)
     learner = Learner(p.policy, algorithm, oldlogp, guard, t.temperature, lay.dp, lay.dp_rank, prompts_log,
@@ -305,7 +338,7 @@ def _assemble(
     weights = WeightSync(p.policy, p.engine, cfg.rollout.sync_mode, sync_options(cfg.rollout, model_dir),
                          t.sync_weights, oldlogp, finished)  # fmt: skip
     evaluator = Evaluator(cfg.eval, lay.run_dir, runlog, engine=p.engine, reward_fn=p.reward_fn, data=p.data,
-                          compute=p.compute)  # fmt: skip
+                          compute=p.compute, rm_service=p.rm_service)  # fmt: skip
     checkpointer = Checkpointer(lay.run_dir, t, lay.rank, p.policy, algorithm, schedule, oldlogp, weights,
                                 ewma=p.ewma, data=p.data, compute=p.compute,
                                 from_mcore_ckpt=bool(cfg.model.mcore_ckpt))  # fmt: skip

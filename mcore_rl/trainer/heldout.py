@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.config import EvalConfig
+from mcore_rl.trainer.reward_service import session as rm_session
 from mcore_rl.trainer.runlog import RunLog
 from mcore_rl.trainer.state import RunState
 
@@ -27,8 +28,11 @@ class Evaluator:
         reward_fn: Any = None,
         data: Any = None,
         compute: Any = None,
+        rm_service: Any = None,
     ) -> None:
         self.settings, self.run_dir, self.runlog = settings, run_dir, runlog
+        # reward.rm.placement=trainer: the other ranks join its forwards meanwhile
+        self.rm_service = rm_service
         self.engine, self.reward_fn, self.data, self.compute = engine, reward_fn, data, compute
 
     def maybe_run(self, state: RunState, force: bool = False) -> None:
@@ -39,7 +43,10 @@ class Evaluator:
             return
         state.last_eval = state.update
         if self.engine is not None:
-            self._run(state.update)
+            with rm_session(self.rm_service):
+                self._run(state.update)
+        elif self.rm_service is not None:
+            self.rm_service.serve()  # trainer/reward_service.py: until rank 0's evaluation is scored
         if e.every > 0:
             while state.next_eval <= state.update:
                 state.next_eval += e.every

@@ -19,6 +19,7 @@ from mcore_rl.batch import RolloutBatch, build_rollout_batch
 from mcore_rl.distributed import broadcast_object
 from mcore_rl.envs.batch import summary_metrics
 from mcore_rl.rewards.base import record_dict, score_with_records, step_metrics, uses_text
+from mcore_rl.trainer.reward_service import session as rm_session
 from mcore_rl.trainer.schedule import Generated, Schedule
 from mcore_rl.trainer.state import RunState
 
@@ -48,7 +49,7 @@ class Rounds:
     def __init__(self, schedule: Schedule, rank: int, samples_per_prompt: int, prompts_per_update: int,
                  algorithm_config: Any, data: Any = None, reward_fn: Any = None, compute: Any = None,
                  engine: Any = None, scoring_passes: int = 0, episodes: bool = False,
-                 mask_stale: bool = False) -> None:
+                 mask_stale: bool = False, rm_service: Any = None) -> None:
         self.schedule, self.rank, self.G, self.per_update = schedule, rank, samples_per_prompt, prompts_per_update
         self.dynamic_sampling = algorithm_config.dynamic_sampling
         self.max_sampling_rounds = algorithm_config.max_sampling_rounds
@@ -57,6 +58,8 @@ class Rounds:
         self.episodes = episodes  # samples are environment episodes: rewards and episode metrics come with them
         self.mask_stale = mask_stale  # partial rollouts: tokens of an earlier version leave the loss
         self._by_id: dict | None = None  # prompt id -> its PromptRecord (the records rewards receive)
+        # reward.rm.placement=trainer: the other ranks join its forwards meanwhile
+        self.rm_service = rm_service
 
     def next(self, num_updates: int, state: RunState) -> Round | None:
         """The next round on every rank; None when a stop signal (Slurm preemption) arrived during generation:
@@ -64,9 +67,12 @@ class Rounds:
         payload = None
         if self.rank == 0:
             try:
-                payload = self._produce(num_updates)
+                with rm_session(self.rm_service):  # closed before the broadcast below, whatever happens
+                    payload = self._produce(num_updates)
             except FatalRunError as e:  # every rank must stop, not wait in the broadcast below
                 payload = str(e)
+        elif self.rm_service is not None:
+            self.rm_service.serve()  # trainer/reward_service.py: until rank 0 has scored the round
         payload = broadcast_object(payload)
         if isinstance(payload, str):
             raise FatalRunError(payload)

@@ -65,7 +65,7 @@ def test_names_without_import_and_lazy_get():
     assert out["SOURCES"]["names"] == ["interrupt", "old_logit_model", "recompute", "rollout", "snapshot"]
     assert out["ENGINES"]["names"] == ["local", "sglang"]
     assert out["TRANSPORTS"]["names"] == ["disk", "nccl", "tensor"]
-    assert out["REWARDS"]["names"] == ["format", "function", "math_verify", "remote"]
+    assert out["REWARDS"]["names"] == ["format", "function", "judge", "math_verify", "remote", "rm"]
     assert out["DATASETS"]["names"] == ["arithmetic", "champ", "hf", "reasoning_gym"]
     assert out["FAMILIES"]["names"] == [
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",

@@ -144,7 +144,8 @@ def test_two_functions_and_a_builtin_combine_with_weights(usermod):
         fn.close()
     assert [r.score for r in res] == pytest.approx([1.0 + 0.5 * 0.5 + 0.1, 0.0 + 0.5 * 0.5 + 0.0])
     assert res[1].reason == "function=invalid:nan,function2=ok,format=format_bad"
-    assert res[0].metrics == {"chars": 13.0, "a": 0.0}
+    # the function's own metrics, and each part's unweighted score (logged as reward/<part>)
+    assert res[0].metrics == {"chars": 13.0, "a": 0.0, "function": 1.0, "function2": 0.5, "format": 1.0}
     assert f"1 * function: function {usermod}:score" in shown and f"0.5 * function2: function {usermod}:plain" in shown
     assert "0.1 * format: FormatReward(check=boxed" in shown
 

@@ -54,7 +54,7 @@ def test_format_alone_needs_no_workers():
 @pytest.mark.parametrize(
     "cfg, match",
     [
-        ({"name": "math_verfy"}, "reward.name='math_verfy': expected one of format, function, math_verify, remote"),
+        ({"name": "math_verfy"}, "reward.name='math_verfy': expected one of format, function, judge, math_verify, remote, rm"),
         ({}, "reward.name must be a non-empty string"),
         ({"name": "format", "format": {"chek": "boxed"}}, r"reward.format: unknown option\(s\) \['chek'\]"),
         ({"name": "format", "formt": {}}, r"unexpected key\(s\) \['formt'\]"),

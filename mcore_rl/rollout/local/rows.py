@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mcore_rl.rollout.local.token_sampler import RowParams, sample_next
+from mcore_rl.rollout.local.token_sampler import RowParams, sample_next, sample_next_top
 from mcore_rl.rollout.protocol import GenerationRequest, Sample, sample_seed
+
+# A request whose metadata holds TOP_LOGPROBS_NUM = k > 0 gets, per output token, the k largest log-probs of the
+# distribution it was drawn from: Sample.metadata[OUTPUT_TOP_LOGPROBS] = [[(logprob, token_id), ...] per token].
+# Why metadata and not SamplingParams: only the OpenAI routes of mcore-rl-serve ask for it (SGLang's
+# top_logprobs_num), and the trainer's protocol stays as it is.
+TOP_LOGPROBS_NUM = "top_logprobs_num"
+OUTPUT_TOP_LOGPROBS = "output_top_logprobs"
 
 
 @dataclass
@@ -30,13 +37,14 @@ class Row:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, with TOP_LOGPROBS_NUM
     abort_requested: bool = False
     finish: str | None = None
     matched: int | str | None = None
 
     def restart(self) -> None:
         """Back to the prompt with the same draws (interrupt mode: a weight update discards in-flight tokens)."""
-        self.out, self.logprobs, self.versions = [], [], []
+        self.out, self.logprobs, self.versions, self.top = [], [], [], []
         self.generator = torch.Generator().manual_seed(self.seed)
 
 
@@ -99,7 +107,14 @@ def sample_rows(rows: list[Row], logits: torch.Tensor, version: int, tokenizer, 
     sps = [r.req.sampling for r in rows]
     params = RowParams.build([s.temperature for s in sps], [s.top_p for s in sps], [s.top_k for s in sps],
                              [r.generator for r in rows])  # fmt: skip
-    tokens, logprobs = sample_next(logits, params, index_free=index_free)
+    wants = [int(r.req.metadata.get(TOP_LOGPROBS_NUM) or 0) for r in rows]
+    if max(wants) > 0:
+        tokens, logprobs, top_v, top_i = sample_next_top(logits, params, max(wants), index_free=index_free)
+        for row, k, vals, ids in zip(rows, wants, top_v.tolist(), top_i.tolist()):
+            if k > 0:
+                row.top.append(list(zip(vals[:k], ids[:k])))
+    else:
+        tokens, logprobs = sample_next(logits, params, index_free=index_free)
     for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
         row.out.append(tok)
         row.logprobs.append(lp)
@@ -131,5 +146,5 @@ def to_sample(row: Row, tokenizer, return_text: bool) -> Sample:
         text=text,
         matched_stop=row.matched,
         sample_index=row.index,
-        metadata=dict(row.req.metadata),
+        metadata={**row.req.metadata, **({OUTPUT_TOP_LOGPROBS: row.top} if row.top else {})},
     )

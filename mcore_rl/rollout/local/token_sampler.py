@@ -70,6 +70,26 @@ def sample_next(
     index_free: a mode that every row shares works on the whole [B, V] tensors instead of boolean-indexed copies
     (same values, bitwise; ~2x faster sampling on a 49k vocab). False only to measure the old path side by side.
     """
+    tokens, logp = _draw(logits, params, index_free)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def sample_next_top(
+    logits: torch.Tensor, params: RowParams, top_n: int, index_free: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample_next` plus the `top_n` largest log-probs per row (values [B, top_n] descending, ids [B, top_n]).
+
+    They come from the same distribution as the sampled token's log-prob, as SGLang's `top_logprobs_num` does:
+    log_softmax(logits / T), not truncated by top-p / top-k (T = 1 for greedy rows). Only this step's [B, V]
+    log-probs are read; nothing is kept across steps but the [B, top_n] result.
+    """
+    tokens, logp = _draw(logits, params, index_free)
+    top = logp.topk(min(int(top_n), logp.shape[-1]), dim=-1)  # sorted, largest first
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1), top.values, top.indices
+
+
+def _draw(logits: torch.Tensor, params: RowParams, index_free: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], log_softmax(logits / T) [B, V] fp32)."""
     logits = logits.float()
     device = logits.device
     logp = torch.log_softmax(logits / params.temperature.to(device).unsqueeze(1), dim=-1)
@@ -86,4 +106,4 @@ def sample_next(
             tokens = pick(logits, logp, params, uniforms, slice(None))
         elif n:
             tokens[mask] = pick(logits, logp, params, uniforms, mask)
-    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, logp

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from mcore_rl.rollout.local.engine import LocalEngine
 from mcore_rl.rollout.protocol import GenerationRequest, SamplingParams
-from mcore_rl.rollout.server import control, weight_update
+from mcore_rl.rollout.server import chat, control, weight_update
 from mcore_rl.rollout.server.auth import auth
 from mcore_rl.rollout.server.codec import BadRequest, as_int_version, parse_generate, render_sample
 from mcore_rl.rollout.server.state import (
@@ -30,6 +30,8 @@ from mcore_rl.rollout.server.state import (
     engine_of,
     in_thread,
     read_body,
+    reading,
+    run_samples,
     writer,
 )
 
@@ -48,41 +50,9 @@ async def generate(request: web.Request) -> web.Response:
         getattr(cfg, "vocab_size", None),
     )  # fmt: skip
     count = sum(r.sampling.n for r in requests)
-    lim = state.limits
-    if count > lim.max_samples_per_request:
-        raise TooBusy(
-            f"/generate: {count} samples (prompts x n) > max_samples_per_request={lim.max_samples_per_request}"
-        )
-    if state.queued + count > lim.max_queued_samples:
-        raise TooBusy(
-            f"/generate: {state.queued} samples queued + {count} > max_queued_samples={lim.max_queued_samples}"
-        )
-    await state.open.wait()  # a weight update holds the writer side
-    state.readers += 1
-    try:
-        return await _generate(request, state, requests, options, single, count, t0)
-    finally:
-        state.readers -= 1
-        async with state.idle:
-            state.idle.notify_all()
-
-
-async def _generate(request, state: ServerState, requests, options, single: bool, count: int, t0: float):
-    engine = state.engine
-    try:
-        futures = engine.submit(requests)
-    except (RuntimeError, ValueError) as exc:
-        raise BadRequest(f"/generate: {exc}") from None
-    state.queued += count
+    async with reading(state, count, "/generate"):
+        samples = await run_samples(state, requests, count, "/generate")
     item_opts = [opts for req, opts in zip(requests, options) for _ in range(req.sampling.n)]
-    try:
-        samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-    except asyncio.CancelledError:  # client went away: free the batch slots
-        for req in requests:
-            engine.abort(req.rid)
-        raise
-    finally:
-        state.queued -= count
     out = [render_sample(s, o, engine, t0) for s, o in zip(samples, item_opts)]
     _log_requests(request, samples)
     return web.json_response(out[0] if single else out)
@@ -159,7 +129,7 @@ async def model_info(request: web.Request) -> web.Response:
         {
             "model_path": info["model_path"],
             "tokenizer_path": info["model_path"] if engine.tokenizer is not None else None,
-            "is_generation": True,
+            "is_generation": getattr(engine, "is_generation", True),
             "weight_version": str(engine.weight_version),
             "architectures": list(getattr(engine.model.config, "architectures", None) or []),
             "preferred_sampling_params": None,
@@ -221,6 +191,7 @@ def build_app(
         "/generate": generate,
         "/update_weights_from_disk": update_weights_from_disk,
         "/update_weight_version": update_weight_version,
+        chat.ENDPOINT: chat.chat_completions,
         **control.POST_ROUTES,
         **weight_update.ROUTES,
     }

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-requests", action="store_true", help="log every generated sample (json lines)")
     p.add_argument("--log-requests-target", default="stdout",
                    help="stdout or a directory (SGLang's flag): DIR/requests-PORT.jsonl")  # fmt: skip
+    p.add_argument("--is-embedding", action="store_true",
+                   help="serve an HF *ForSequenceClassification folder on /classify and /encode (SGLang's flag)")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -53,10 +55,6 @@ def main(argv: list[str] | None = None) -> None:
     except ApiKeyError as exc:
         print(f"mcore-rl-serve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    engine = LocalEngine(
-        args.model_path, device=args.device, dtype=args.dtype, num_threads=args.num_threads,
-        max_batch_size=args.max_batch_size, seed=args.seed, weight_version=args.weight_version,
-    )  # fmt: skip
     info = {
         "model_path": args.model_path, "host": args.host, "port": args.port, "tp_size": args.tp_size,
         "dp_size": 1, "device": args.device, "dtype": args.dtype, "version": "mcore-rl-serve/0.1",
@@ -66,12 +64,27 @@ def main(argv: list[str] | None = None) -> None:
     limits = Limits(args.max_body_bytes, args.max_samples_per_request, args.max_queued_samples)
     log.info("mcore-rl-serve: http://%s:%d  model=%s  auth=%s", args.host, args.port, args.model_path,
              "on" if key else "off")  # fmt: skip
-    web.run_app(
-        build_app(engine, info, limits=limits, api_key=key, weight_group_timeout_s=args.weight_group_timeout_s,
-                  request_log=_request_log(args)),
-        host=args.host, port=args.port, print=None,
-        handler_cancellation=True,
-    )  # fmt: skip
+    web.run_app(_app(args, info, limits, key), host=args.host, port=args.port, print=None,
+                handler_cancellation=True)  # fmt: skip
+
+
+def _app(args: argparse.Namespace, info: dict, limits: Limits, key: str | None) -> web.Application:
+    """The generation server over a LocalEngine, or with --is-embedding the /classify server over a reward model."""
+    kw = dict(device=args.device, dtype=args.dtype, num_threads=args.num_threads, max_batch_size=args.max_batch_size,
+              weight_version=args.weight_version)  # fmt: skip
+    if args.is_embedding:
+        from mcore_rl.rollout.server.classify import build_embedding_app
+        from mcore_rl.rollout.server.reward_model import RewardModelServer
+
+        try:
+            server = RewardModelServer(args.model_path, **kw)
+        except (OSError, ValueError) as exc:
+            print(f"mcore-rl-serve: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return build_embedding_app(server, {**info, "is_embedding": True}, limits=limits, api_key=key)
+    engine = LocalEngine(args.model_path, seed=args.seed, **kw)
+    return build_app(engine, info, limits=limits, api_key=key, weight_group_timeout_s=args.weight_group_timeout_s,
+                     request_log=_request_log(args))  # fmt: skip
 
 
 def _request_log(args: argparse.Namespace) -> str | None:

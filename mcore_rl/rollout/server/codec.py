@@ -113,6 +113,8 @@ def parse_generate(
     for i, (prompt, sp) in enumerate(zip(prompts, sps)):
         where = "sampling_params" if single else f"sampling_params[{i}]"
         params = _sampling(sp or {}, where)
+        if vocab_size is not None and params.top_k > vocab_size:  # the same distribution; fits an int64 tensor
+            params.top_k = vocab_size
         try:
             requests.append(GenerationRequest(prompt, params, rid=rids[i] or uuid.uuid4().hex))
         except (TypeError, ValueError) as exc:

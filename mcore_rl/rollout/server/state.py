@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from mcore_rl.rollout.local.engine import LocalEngine
 from mcore_rl.rollout.server.codec import BadRequest
+from mcore_rl.rollout.sglang.api import _KIND as KINDS
 from mcore_rl.rollout.sglang.api import SGLANG_TYPES, type_error
 
 log = logging.getLogger("mcore_rl.serve")
@@ -66,6 +68,16 @@ def engine_of(request: web.Request) -> LocalEngine:
 
 
 async def read_body(request: web.Request, endpoint: str) -> dict[str, Any]:
+    body = await read_json(request, endpoint, SGLANG_TYPES[endpoint])
+    err = type_error(endpoint, body)
+    if err:
+        raise BadRequest(err)
+    return body
+
+
+async def read_json(request: web.Request, endpoint: str, known: Iterable[str]) -> dict[str, Any]:
+    """The body as a JSON object (400 otherwise); fields not in `known` are ignored, as SGLang's request models
+    ignore them (logged once per endpoint and name)."""
     raw = await request.read()  # aiohttp answers 413 itself above client_max_size
     if not raw.strip():
         return {}
@@ -76,14 +88,61 @@ async def read_body(request: web.Request, endpoint: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest(f"{endpoint}: body must be a JSON object, got {type(body).__name__}")
     state = request.app[STATE]
-    for name in set(body) - set(SGLANG_TYPES[endpoint]):
-        if (endpoint, name) not in state.ignored_fields:  # SGLang ignores unknown top-level fields too
+    for name in set(body) - set(known):
+        if (endpoint, name) not in state.ignored_fields:
             state.ignored_fields.add((endpoint, name))
             log.debug("%s: ignoring unknown top-level field %r (logged once)", endpoint, name)
-    err = type_error(endpoint, body)
-    if err:
-        raise BadRequest(err)
     return body
+
+
+def kind_error(endpoint: str, table: dict[str, tuple[str, ...]], body: dict[str, Any]) -> str | None:
+    """The first field of `body` whose JSON type is not one of its kinds in `table` (sglang/api.py's kinds)."""
+    for name, value in body.items():
+        kinds = table.get(name)
+        if kinds is not None and value is not None and not any(KINDS[k](value) for k in kinds):
+            return f"{endpoint}: field {name!r} must be {' or '.join(kinds)}, got {type(value).__name__}"
+    return None
+
+
+@asynccontextmanager
+async def reading(state: ServerState, count: int, endpoint: str):
+    """Admit `count` samples under the limits (429 above them), then hold the reader side of the model-update
+    lock for the request's whole life (SGLang's model_update_lock: no request sees two weight versions)."""
+    lim = state.limits
+    if count > lim.max_samples_per_request:
+        raise TooBusy(
+            f"{endpoint}: {count} samples (prompts x n) > max_samples_per_request={lim.max_samples_per_request}"
+        )
+    if state.queued + count > lim.max_queued_samples:
+        raise TooBusy(
+            f"{endpoint}: {state.queued} samples queued + {count} > max_queued_samples={lim.max_queued_samples}"
+        )
+    await state.open.wait()  # a weight update holds the writer side
+    state.readers += 1
+    try:
+        yield
+    finally:
+        state.readers -= 1
+        async with state.idle:
+            state.idle.notify_all()
+
+
+async def run_samples(state: ServerState, requests: list, count: int, endpoint: str) -> list:
+    """Queue `requests` on the engine's worker and await their Samples; a client that goes away frees its slots."""
+    engine = state.engine
+    try:
+        futures = engine.submit(requests)
+    except (RuntimeError, ValueError) as exc:
+        raise BadRequest(f"{endpoint}: {exc}") from None
+    state.queued += count
+    try:
+        return await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    except asyncio.CancelledError:
+        for req in requests:
+            engine.abort(req.rid)
+        raise
+    finally:
+        state.queued -= count
 
 
 async def in_thread(fn, *args):
