@@ -151,6 +151,16 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
+def gather_objects(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's `obj` on global rank `dst` (pickled over the gloo world group: host memory, whatever the main
+    backend), in rank order; None on the other ranks. A single process gets `[obj]`."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size() if global_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=cpu_group())
+    return out
+
+
 def send_object(obj: Any, dst: int) -> None:
     """Pickle `obj` to global rank `dst` over the gloo world group (host memory; never a GPU byte tensor)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)

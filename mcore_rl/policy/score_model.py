@@ -168,16 +168,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _gather_on_rank0(report, n_rows: int, n_labels: int) -> torch.Tensor | None:
     """Every reporting rank's (row indices, scores) assembled on global rank 0, over the host (gloo) group."""
-    import torch.distributed as dist
+    from mcore_rl.distributed import gather_objects
 
-    from mcore_rl.distributed import cpu_group, global_rank
-
-    if dist.get_world_size() == 1:
-        parts = [report]
-    else:
-        parts = [None] * dist.get_world_size() if global_rank() == 0 else None
-        dist.gather_object(report, parts, dst=0, group=cpu_group())
-    if global_rank() != 0:
+    parts = gather_objects(report, dst=0)
+    if parts is None:
         return None
     out = torch.full((n_rows, n_labels), float("nan"))
     for part in filter(None, parts):

@@ -31,6 +31,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainer", "config_reads"),
     # the CLI
     ("train",),
+    # supervised fine-tuning (mcore-rl-sft): reuses the trainer's checkpoints, logs, setup and HF export, and the
+    # CLI's one-line composition errors
+    ("sft",),
 ]
 
 # Upward imports still to be removed, each with the room that owns it. An entry that no longer occurs fails the

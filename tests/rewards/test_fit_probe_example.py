@@ -21,6 +21,7 @@ def _example():
     return mod
 
 
+@pytest.mark.slow  # SmolLM2 forwards: ~30-60 s on 2 cores
 def test_the_fitted_head_is_what_transformers_scores(smollm2_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForSequenceClassification
 
