@@ -273,7 +273,24 @@ class UnsolvedEnv(EchoEnv):
 """
 
 
-def test_a_users_environment_with_a_solver_via_plugin(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def plugin_state():
+    """The plugin list and the environment registry restored after the test (a later test in this process, e.g.
+    tests/plugins, must not see `demo_plugin_env` as loaded nor its environments as registered)."""
+    import sys
+
+    from mcore_rl import plugins
+    from mcore_rl.envs.base import ENVS
+
+    state = list(plugins._loaded), list(plugins._registered)
+    entries, origin = dict(ENVS._entries), dict(ENVS._origin)
+    yield
+    plugins._loaded[:], plugins._registered[:] = state
+    ENVS._entries, ENVS._origin = entries, origin
+    sys.modules.pop("demo_plugin_env", None)
+
+
+def test_a_users_environment_with_a_solver_via_plugin(tmp_path, monkeypatch, capsys, plugin_state):
     (tmp_path / "demo_plugin_env.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("MCORE_RL_PLUGINS", "")
