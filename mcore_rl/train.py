@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from mcore_rl.compat.malloc import tune_malloc
 
@@ -70,13 +72,19 @@ def check_names(cfg) -> None:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    run_or_exit(lambda: run_training(cfg))
+
+
+def run_or_exit(run: Callable[[], Any]) -> None:
+    """`run()` as an entry point runs it (mcore-rl-train, mcore-rl-sft): a known failure is one line and its exit
+    code (config 2, fault 1, engine 3), never a traceback; the process group is torn down either way."""
     from mcore_rl.agreement import FatalRunError
     from mcore_rl.config import ConfigError
     from mcore_rl.rollout.protocol import EngineFailure
 
     logging.basicConfig(level=logging.WARNING, format="[%(asctime)s %(name)s] %(message)s")
     try:
-        run_training(cfg)
+        run()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,7 +7,6 @@ accept and ignore. The groups both share (model, parallel, logging, optim) are t
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -38,22 +37,9 @@ def run_sft(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="sft", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    from mcore_rl.agreement import FatalRunError
-    from mcore_rl.config import ConfigError
+    from mcore_rl.train import run_or_exit
 
-    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s %(name)s] %(message)s")
-    try:
-        run_sft(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except FatalRunError as e:
-        print(f"run stopped: {e}", file=sys.stderr)
-        sys.exit(1)
-    finally:
-        from mcore_rl.distributed import destroy_distributed
-
-        destroy_distributed()
+    run_or_exit(lambda: run_sft(cfg))
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 from dataclasses import dataclass, field
+
+from tests.rewards.threaded_app import ThreadedApp
 
 
 @dataclass
@@ -32,19 +33,8 @@ class RewardServer:
     _seen: set = field(default_factory=set)
 
     def __enter__(self) -> RewardServer:
-        from aiohttp import web
-
-        self._loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/get_reward", self._handle)
-        app.router.add_post("/down", self._down)
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = self._runner.addresses[0][1]
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
+        self._app = ThreadedApp()
+        self.port = self._app.start({"/get_reward": self._handle, "/down": self._down})
         return self
 
     @property
@@ -52,9 +42,7 @@ class RewardServer:
         return f"http://127.0.0.1:{self.port}/get_reward"
 
     def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=20)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._app.stop()
 
     async def _down(self, request):
         from aiohttp import web

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from tests.rewards.threaded_app import ThreadedApp
 
 
 def _default_classify(ids: list[int]) -> list[float]:
@@ -42,19 +43,8 @@ class StandIn:
     _in_flight: int = 0
 
     def __enter__(self) -> StandIn:
-        from aiohttp import web
-
-        self._loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/classify", self._handle)
-        app.router.add_post("/v1/chat/completions", self._handle)
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        self.port = self._runner.addresses[0][1]
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
+        self._app = ThreadedApp()
+        self.port = self._app.start({"/classify": self._handle, "/v1/chat/completions": self._handle})
         return self
 
     @property
@@ -62,9 +52,7 @@ class StandIn:
         return f"http://127.0.0.1:{self.port}"
 
     def __exit__(self, *exc) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=20)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._app.stop()
 
     def bodies(self, route: str) -> list[dict]:
         return [b for r, b, _ in self.requests if r == route]
